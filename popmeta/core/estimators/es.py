@@ -1,0 +1,139 @@
+"""Antithetic evolution strategies over whole episodes (FullES) or truncations (TruncatedES)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from popmeta.core.estimators.base import (
+    EstimatorOut,
+    GradientEstimator,
+    antithetic_deltas,
+    ends_with_reset,
+    es_metrics,
+    perturbed_unroll,
+    sample_perturbation,
+    weighted_task_mean,
+)
+from popmeta.core.tree_utils import per_task, stack_members
+from popmeta.core.truncated_step import TruncatedStep
+from popmeta.core.truncation import TruncationSchedule
+
+__all__ = ["FullES", "TruncatedES", "TruncatedESWorkerState"]
+
+
+def _es_grad(deltas, noise, std):
+    per_task_grad = per_task(deltas.first + deltas.after, noise)
+    return jax.tree_util.tree_map(
+        lambda g: g / (2 * std**2), weighted_task_mean(per_task_grad, deltas.valid)
+    )
+
+
+class FullES(GradientEstimator):
+    """Antithetic ES over whole episodes, started fresh on every call.
+
+    One perturbation per task per episode. Unbiased for the gradient of the
+    episode's mean meta-loss; each call costs a whole episode.
+
+    Args:
+      truncated_step: a vectorized truncated step (``num_tasks`` attribute).
+      truncation_schedule: episode length: a ``ConstantTruncationSchedule`` or an int.
+      std: perturbation standard deviation.
+      sign_delta_loss_scalar: if set, replace each loss difference by its sign times this.
+      clip_loss_diff: if set, clip each loss difference to ``[-c, c]``.
+    """
+
+    def __init__(
+        self,
+        truncated_step: TruncatedStep,
+        truncation_schedule: TruncationSchedule | int,
+        std: float = 0.01,
+        sign_delta_loss_scalar: float | None = None,
+        clip_loss_diff: float | None = None,
+    ):
+        if isinstance(truncation_schedule, int):
+            length = truncation_schedule
+        else:
+            length = getattr(truncation_schedule, "total_length", None)
+            if length is None:
+                raise ValueError(
+                    "FullES needs a fixed episode length: pass an int or a "
+                    f"ConstantTruncationSchedule, got {type(truncation_schedule).__name__}"
+                )
+        self.truncated_step = truncated_step
+        self.trunc_length = int(length)
+        self.std = float(std)
+        self.sign_delta_loss_scalar = sign_delta_loss_scalar
+        self.clip_loss_diff = clip_loss_diff
+
+    def init_worker_state(self, theta, key, outer_state=None):
+        del theta, key, outer_state
+        return ()
+
+    def estimate(self, theta, state, key, data=None, outer_state=None):
+        del state
+        key_init, key_noise, key_unroll = jax.random.split(key, 3)
+        num_tasks = self.truncated_step.num_tasks
+        start = self.truncated_step.init_step_state(theta, outer_state, key_init)
+        noise = sample_perturbation(key_noise, theta, num_tasks, self.std)
+        unrolled = perturbed_unroll(
+            self.truncated_step, theta, (1.0, -1.0), noise, noise, stack_members(start, 2),
+            jnp.zeros((num_tasks,), bool), key_unroll, data, self.trunc_length, outer_state,
+        )
+        deltas = antithetic_deltas(unrolled, self.sign_delta_loss_scalar, self.clip_loss_diff)
+        metrics = es_metrics(deltas, unrolled)
+        grad = _es_grad(deltas, noise, self.std)
+        return EstimatorOut(grad, metrics["mean_loss"], deltas.valid.sum(), ()), metrics
+
+
+class TruncatedESWorkerState(NamedTuple):
+    unroll_state: Any
+    starts_with_reset: jax.Array  # [tasks]
+
+
+class TruncatedES(GradientEstimator):
+    """Antithetic ES over one truncation, both members starting from a shared state.
+
+    Fresh noise each truncation. The shared state is advanced by an unperturbed
+    third member, so the estimate ignores theta's influence on the state the
+    truncation starts from: biased whenever that influence matters.
+    """
+
+    def __init__(
+        self,
+        truncated_step: TruncatedStep,
+        trunc_length: int = 10,
+        std: float = 0.01,
+        sign_delta_loss_scalar: float | None = None,
+        clip_loss_diff: float | None = None,
+    ):
+        self.truncated_step = truncated_step
+        self.trunc_length = int(trunc_length)
+        self.std = float(std)
+        self.sign_delta_loss_scalar = sign_delta_loss_scalar
+        self.clip_loss_diff = clip_loss_diff
+
+    def init_worker_state(self, theta, key, outer_state=None):
+        num_tasks = self.truncated_step.num_tasks
+        return TruncatedESWorkerState(
+            self.truncated_step.init_step_state(theta, outer_state, key),
+            jnp.zeros((num_tasks,), bool),
+        )
+
+    def estimate(self, theta, state, key, data=None, outer_state=None):
+        key_noise, key_unroll = jax.random.split(key)
+        noise = sample_perturbation(key_noise, theta, self.truncated_step.num_tasks, self.std)
+        unrolled = perturbed_unroll(
+            self.truncated_step, theta, (1.0, -1.0, 0.0), noise, noise,
+            stack_members(state.unroll_state, 3), state.starts_with_reset, key_unroll, data,
+            self.trunc_length, outer_state,
+        )
+        deltas = antithetic_deltas(unrolled, self.sign_delta_loss_scalar, self.clip_loss_diff)
+        metrics = es_metrics(deltas, unrolled)
+        new_state = TruncatedESWorkerState(
+            jax.tree_util.tree_map(lambda x: x[2], unrolled.state), ends_with_reset(unrolled)
+        )
+        grad = _es_grad(deltas, noise, self.std)
+        return EstimatorOut(grad, metrics["mean_loss"], deltas.valid.sum(), new_state), metrics
