@@ -1,5 +1,6 @@
 """popmeta: distributed meta-training of learned optimizers with ES-family gradient estimates."""
 
+from popmeta.config import Config, ConfigError, load_config
 from popmeta.core.estimators import (
     EstimatorOut,
     FullES,
@@ -9,6 +10,30 @@ from popmeta.core.estimators import (
     TruncatedGrad,
     TruncatedPES,
 )
+from popmeta.core.evaluation import TrainingCurves, training_curves
+from popmeta.core.learned_optimizers import (
+    LearnableAdam,
+    LearnableSGD,
+    LearnableSGDM,
+    LearnedOptimizer,
+    MLPLOpt,
+    MLPLOptState,
+)
+from popmeta.core.lopt_truncated_step import VectorizedLOptTruncatedStep
+from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, Optimizer
+from popmeta.core.tasks import (
+    FixedDimQuadraticFamily,
+    FixedDimQuadraticFamilyData,
+    ImageMLP_Digits8_Relu32,
+    ImageMLP_Npz8_Relu32,
+    ImageMLPTask,
+    QuadraticTask,
+    Task,
+    TaskFamily,
+    load_npz_images_8x8,
+    single_task_to_family,
+    vec_get_batch,
+)
 from popmeta.core.truncated_step import TruncatedStep, TruncatedUnrollOut, VectorizedTruncatedStep
 from popmeta.core.truncation import (
     ConstantTruncationSchedule,
@@ -17,15 +42,45 @@ from popmeta.core.truncation import (
     TruncationSchedule,
     TruncationState,
 )
+from popmeta.learner.train_state import (
+    TrainState,
+    build_apply_estimate_fn,
+    build_train_step_fn,
+    make_outer_optimizer,
+)
 
 __all__ = [
+    "SGD",
+    "SGDM",
+    "Adam",
+    "Config",
+    "ConfigError",
     "ConstantTruncationSchedule",
     "EstimatorOut",
+    "FixedDimQuadraticFamily",
+    "FixedDimQuadraticFamilyData",
     "FullES",
     "GradientEstimator",
+    "ImageMLPTask",
+    "ImageMLP_Digits8_Relu32",
+    "ImageMLP_Npz8_Relu32",
+    "LearnableAdam",
+    "LearnableSGD",
+    "LearnableSGDM",
+    "LearnedOptimizer",
     "LogUniformLengthSchedule",
+    "MLPLOpt",
+    "MLPLOptState",
     "NeverEndingTruncationSchedule",
     "NoiseReuseES",
+    "OptaxOptimizer",
+    "OptaxState",
+    "Optimizer",
+    "QuadraticTask",
+    "Task",
+    "TaskFamily",
+    "TrainState",
+    "TrainingCurves",
     "TruncatedES",
     "TruncatedGrad",
     "TruncatedPES",
@@ -33,5 +88,14 @@ __all__ = [
     "TruncatedUnrollOut",
     "TruncationSchedule",
     "TruncationState",
+    "VectorizedLOptTruncatedStep",
     "VectorizedTruncatedStep",
+    "build_apply_estimate_fn",
+    "build_train_step_fn",
+    "load_config",
+    "load_npz_images_8x8",
+    "make_outer_optimizer",
+    "single_task_to_family",
+    "training_curves",
+    "vec_get_batch",
 ]

@@ -142,4 +142,3 @@ class VectorizedTruncatedStep(TruncatedStep):
 
     def task_name(self):
         return self.truncated_step.task_name()
-

@@ -31,7 +31,9 @@ class LinearQuadraticStep(TruncatedStep):
         rng = np.random.default_rng(seed)
         q, _ = np.linalg.qr(rng.normal(size=(dim_state, dim_state)))
         self.a = jnp.asarray(0.8 * q, jnp.float32)
-        self.b = jnp.asarray(rng.normal(size=(dim_state, dim_theta)) / np.sqrt(dim_theta), jnp.float32)
+        self.b = jnp.asarray(
+            rng.normal(size=(dim_state, dim_theta)) / np.sqrt(dim_theta), jnp.float32
+        )
         self.c = jnp.asarray(rng.normal(size=dim_state), jnp.float32)
         self.y = jnp.asarray(rng.normal(size=dim_state), jnp.float32)
         self.s0 = jnp.asarray(rng.normal(size=dim_state), jnp.float32)
@@ -40,7 +42,9 @@ class LinearQuadraticStep(TruncatedStep):
         self.dim_theta = dim_theta
 
     def init_step_state(self, theta, outer_state, key, theta_is_vector=False):
-        return LinearState(self.s0, jnp.asarray(self.initial_iteration, jnp.int32), jnp.asarray(False))
+        return LinearState(
+            self.s0, jnp.asarray(self.initial_iteration, jnp.int32), jnp.asarray(False)
+        )
 
     def unroll_step(self, theta, state, key, data, outer_state, theta_is_vector=False):
         s_next = self.a @ state.s + self.b @ theta + self.c
@@ -120,7 +124,9 @@ def window_oracle(step: LinearQuadraticStep, theta: jax.Array, num_windows: int,
         for part_mask in (in_first, ~in_first):
             weights = jnp.asarray(mask * part_mask).reshape(num_windows, trunc_length)
             denom = np.maximum(mask.reshape(num_windows, trunc_length).sum(axis=1), 1.0)
-            per_part.append((losses.reshape(num_windows, trunc_length) * weights).sum(axis=1) / denom)
+            per_part.append(
+                (losses.reshape(num_windows, trunc_length) * weights).sum(axis=1) / denom
+            )
         return jnp.stack(per_part)  # [2, J]
 
     jac = jax.jacobian(window_losses)(jnp.stack([theta] * num_windows))  # [2, J, J, d]

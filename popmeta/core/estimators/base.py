@@ -46,6 +46,8 @@ class GradientEstimator:
 
     truncated_step: TruncatedStep
     trunc_length: int
+    #: Unrolls per task per step (2 for antithetic pairs); for throughput accounting.
+    num_members: int = 2
 
     def init_worker_state(self, theta: PyTree, key: jax.Array, outer_state: Any = None) -> Any:
         raise NotImplementedError

@@ -79,8 +79,17 @@ class FullES(GradientEstimator):
         start = self.truncated_step.init_step_state(theta, outer_state, key_init)
         noise = sample_perturbation(key_noise, theta, num_tasks, self.std)
         unrolled = perturbed_unroll(
-            self.truncated_step, theta, (1.0, -1.0), noise, noise, stack_members(start, 2),
-            jnp.zeros((num_tasks,), bool), key_unroll, data, self.trunc_length, outer_state,
+            self.truncated_step,
+            theta,
+            (1.0, -1.0),
+            noise,
+            noise,
+            stack_members(start, 2),
+            jnp.zeros((num_tasks,), bool),
+            key_unroll,
+            data,
+            self.trunc_length,
+            outer_state,
         )
         deltas = antithetic_deltas(unrolled, self.sign_delta_loss_scalar, self.clip_loss_diff)
         metrics = es_metrics(deltas, unrolled)
@@ -100,6 +109,8 @@ class TruncatedES(GradientEstimator):
     third member, so the estimate ignores theta's influence on the state the
     truncation starts from: biased whenever that influence matters.
     """
+
+    num_members = 3
 
     def __init__(
         self,
@@ -126,9 +137,17 @@ class TruncatedES(GradientEstimator):
         key_noise, key_unroll = jax.random.split(key)
         noise = sample_perturbation(key_noise, theta, self.truncated_step.num_tasks, self.std)
         unrolled = perturbed_unroll(
-            self.truncated_step, theta, (1.0, -1.0, 0.0), noise, noise,
-            stack_members(state.unroll_state, 3), state.starts_with_reset, key_unroll, data,
-            self.trunc_length, outer_state,
+            self.truncated_step,
+            theta,
+            (1.0, -1.0, 0.0),
+            noise,
+            noise,
+            stack_members(state.unroll_state, 3),
+            state.starts_with_reset,
+            key_unroll,
+            data,
+            self.trunc_length,
+            outer_state,
         )
         deltas = antithetic_deltas(unrolled, self.sign_delta_loss_scalar, self.clip_loss_diff)
         metrics = es_metrics(deltas, unrolled)

@@ -71,8 +71,17 @@ class NoiseReuseES(GradientEstimator):
         key_noise, key_unroll = jax.random.split(key)
         fresh = sample_perturbation(key_noise, theta, self.truncated_step.num_tasks, self.std)
         unrolled = perturbed_unroll(
-            self.truncated_step, theta, (1.0, -1.0), state.noise, fresh, state.member_states,
-            state.starts_with_reset, key_unroll, data, self.trunc_length, outer_state,
+            self.truncated_step,
+            theta,
+            (1.0, -1.0),
+            state.noise,
+            fresh,
+            state.member_states,
+            state.starts_with_reset,
+            key_unroll,
+            data,
+            self.trunc_length,
+            outer_state,
         )
         deltas = antithetic_deltas(unrolled, self.sign_delta_loss_scalar, self.clip_loss_diff)
         per_task_grad = tree_add(per_task(deltas.first, state.noise), per_task(deltas.after, fresh))

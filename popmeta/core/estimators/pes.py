@@ -75,12 +75,23 @@ class TruncatedPES(GradientEstimator):
         key_noise, key_unroll = jax.random.split(key)
         noise = sample_perturbation(key_noise, theta, self.truncated_step.num_tasks, self.std)
         unrolled = perturbed_unroll(
-            self.truncated_step, theta, (1.0, -1.0), noise, noise, state.member_states,
-            state.starts_with_reset, key_unroll, data, self.trunc_length, outer_state,
+            self.truncated_step,
+            theta,
+            (1.0, -1.0),
+            noise,
+            noise,
+            state.member_states,
+            state.starts_with_reset,
+            key_unroll,
+            data,
+            self.trunc_length,
+            outer_state,
         )
         deltas = antithetic_deltas(unrolled, self.sign_delta_loss_scalar, self.clip_loss_diff)
         with_history = tree_add(state.accumulator, noise)
-        per_task_grad = tree_add(per_task(deltas.first, with_history), per_task(deltas.after, noise))
+        per_task_grad = tree_add(
+            per_task(deltas.first, with_history), per_task(deltas.after, noise)
+        )
         grad = jax.tree_util.tree_map(
             lambda g: g / (2 * self.std**2), weighted_task_mean(per_task_grad, deltas.valid)
         )

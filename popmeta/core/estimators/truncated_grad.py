@@ -25,12 +25,16 @@ class TruncatedGrad(GradientEstimator):
     truncations (exploding inner-loop gradients).
     """
 
+    num_members = 1
+
     def __init__(self, truncated_step: TruncatedStep, trunc_length: int = 10):
         self.truncated_step = truncated_step
         self.trunc_length = int(trunc_length)
 
     def init_worker_state(self, theta, key, outer_state=None):
-        return TruncatedGradWorkerState(self.truncated_step.init_step_state(theta, outer_state, key))
+        return TruncatedGradWorkerState(
+            self.truncated_step.init_step_state(theta, outer_state, key)
+        )
 
     def estimate(self, theta, state, key, data=None, outer_state=None):
         keys = jax.random.split(key, self.trunc_length)
@@ -56,7 +60,7 @@ class TruncatedGrad(GradientEstimator):
         (mean_loss, (end, valid, is_done)), grad = jax.value_and_grad(
             truncation_loss, has_aux=True
         )(theta)
-        metrics = {"mean_loss": mean_loss, "num_done": is_done.sum(), "valid_steps": valid.sum()}
+        metrics = {"mean_loss": mean_loss, "num_done": is_done.sum(), "valid_tasks": valid.sum()}
         return (
             EstimatorOut(grad, mean_loss, valid.sum(), TruncatedGradWorkerState(end)),
             metrics,

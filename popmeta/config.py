@@ -1,0 +1,643 @@
+"""Typed run configuration: schema, YAML loading, ``--set`` overrides, validation.
+
+A config is a tree of frozen dataclasses (:class:`Config` and one section class
+per top-level key). It is built from a YAML file plus ``--set a.b=value``
+overrides, and everything is checked before any actor starts:
+
+* unknown keys fail naming the full dotted key and listing the known ones;
+* wrong types fail naming the field, the expected type and the value;
+* ``Literal`` fields list the allowed values; ``X | None`` fields accept null;
+* ranges (positive sizes, ``std > 0``, ...) fail naming the field.
+
+Override values are parsed with ``yaml.safe_load`` (``0.02`` is a float, ``5``
+an int, ``null`` is None, ``true`` a bool, ``{TPU: 1}`` a mapping) and then
+type-checked exactly like file values. Two conveniences on top of that:
+
+* a float field accepts an int, and a string in exponent notation such as
+  ``1e-3`` (YAML 1.1, which PyYAML implements, reads ``1e-3`` as a string);
+* for a field that expects a string, ``--set name=2024`` keeps the text
+  ``"2024"`` instead of failing because YAML read an int.
+
+Example::
+
+    cfg = load_config("configs/quickstart.yaml", ["estimator.std=0.02"])
+    cfg.estimator.std  # 0.02
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "EstimatorConfig",
+    "EvalConfig",
+    "LearnedOptimizerConfig",
+    "OuterOptimizerConfig",
+    "PopulationConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "TruncationConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_yaml",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config file or override is unreadable, unknown, mistyped or out of range."""
+
+
+# A problem found by a range check: (dotted field name relative to the section, message).
+_Problem = tuple[str, str]
+
+
+def _positive(section: Any, *names: str) -> Iterator[_Problem]:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and not value > 0:
+            yield name, f"must be > 0, got {value!r}"
+
+
+def _non_negative(section: Any, *names: str) -> Iterator[_Problem]:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and not value >= 0:
+            yield name, f"must be >= 0, got {value!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """The inner problems the learned optimizer is trained on.
+
+    Attributes:
+      family: task family name.
+      dim: problem dimension of the quadratic families.
+      npz_path: ``.npz`` file with ``images`` / ``labels``; required for
+        ``image_mlp_npz``.
+    """
+
+    family: Literal[
+        "quadratic",
+        "fixed_dim_quadratic",
+        "fixed_dim_quadratic_data",
+        "image_mlp_digits",
+        "image_mlp_npz",
+    ] = "fixed_dim_quadratic_data"
+    dim: int = 10
+    npz_path: str | None = None
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from _positive(self, "dim")
+        if self.family == "image_mlp_npz" and not self.npz_path:
+            yield "npz_path", "is required when task.family is 'image_mlp_npz'"
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedOptimizerConfig:
+    """The meta-learned optimizer (theta).
+
+    Attributes:
+      kind: learned optimizer architecture.
+      initial_lr: initial learning rate of the learnable SGD/SGDM/Adam.
+      initial_momentum: initial momentum of learnable SGDM/Adam, in [0, 1).
+      step_multiplier: output step scale of the MLP optimizer.
+      magnitude_multiplier: output magnitude scale of the MLP optimizer.
+      hidden_size: hidden width of the MLP optimizer.
+    """
+
+    kind: Literal["learnable_sgd", "learnable_sgdm", "learnable_adam", "mlp"] = "mlp"
+    initial_lr: float = 1e-3
+    initial_momentum: float = 0.9
+    step_multiplier: float = 0.001
+    magnitude_multiplier: float = 0.001
+    hidden_size: int = 32
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from _positive(
+            self, "initial_lr", "step_multiplier", "magnitude_multiplier", "hidden_size"
+        )
+        if not 0.0 <= self.initial_momentum < 1.0:
+            yield "initial_momentum", f"must be in [0, 1), got {self.initial_momentum!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncationConfig:
+    """How long each inner trajectory runs before it is reset.
+
+    Attributes:
+      schedule: ``constant`` (``length`` steps), ``log_uniform`` (length drawn
+        log-uniformly in [min_length, max_length] per trajectory) or
+        ``never_ending``.
+      length: trajectory length of the constant schedule.
+      min_length: lower bound of the log-uniform schedule.
+      max_length: upper bound of the log-uniform schedule.
+    """
+
+    schedule: Literal["constant", "log_uniform", "never_ending"] = "constant"
+    length: int = 50
+    min_length: int = 10
+    max_length: int = 100
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from _positive(self, "length", "min_length", "max_length")
+        if self.max_length < self.min_length:
+            yield (
+                "max_length",
+                f"must be >= truncation.min_length ({self.min_length}), got {self.max_length!r}",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorConfig:
+    """The gradient estimator each actor runs.
+
+    Attributes:
+      kind: estimator.
+      trunc_length: inner steps per truncation (per estimate).
+      std: perturbation standard deviation sigma.
+      sign_delta_loss_scalar: if set, replace the antithetic loss difference
+        by ``sign(delta) * scalar``.
+      clip_loss_diff: if set, clip the antithetic loss difference to +-value.
+      num_tasks: inner problems per actor, trained side by side.
+      random_initial_iteration_offset: tasks start at random iterations in
+        [0, offset) so they do not run in lockstep.
+      truncations_per_call: truncations averaged per actor call.
+    """
+
+    kind: Literal["pes", "nres", "full_es", "truncated_es", "truncated_grad"] = "pes"
+    trunc_length: int = 10
+    std: float = 0.01
+    sign_delta_loss_scalar: float | None = None
+    clip_loss_diff: float | None = None
+    num_tasks: int = 8
+    random_initial_iteration_offset: int = 50
+    truncations_per_call: int = 1
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from _positive(
+            self,
+            "trunc_length",
+            "std",
+            "sign_delta_loss_scalar",
+            "clip_loss_diff",
+            "num_tasks",
+            "truncations_per_call",
+        )
+        yield from _non_negative(self, "random_initial_iteration_offset")
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterOptimizerConfig:
+    """The optax optimizer the learner applies to theta.
+
+    Attributes:
+      name: optimizer.
+      learning_rate: meta learning rate.
+      clip_grad_norm: global-norm clip of each aggregated estimate, or null.
+      weight_decay: decoupled for adamw, L2 for the others.
+    """
+
+    name: Literal["adam", "adamw", "sgd", "sgdm"] = "adam"
+    learning_rate: float = 3e-3
+    clip_grad_norm: float | None = 3.0
+    weight_decay: float = 0.0
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from _positive(self, "learning_rate", "clip_grad_norm")
+        yield from _non_negative(self, "weight_decay")
+
+
+@dataclasses.dataclass(frozen=True)
+class PopulationConfig:
+    """The actors that compute estimates, and where they run.
+
+    Attributes:
+      num_actors: number of estimator actors (in single-process ``local``
+        mode, the number of independent estimator seeds).
+      mode: ``sync`` (one estimate per actor per version) or ``async``.
+      batch_size: estimates aggregated per learner update in async mode.
+      max_staleness: an estimate on theta version v is used at version u only
+        if u - v <= max_staleness.
+      num_cpus: CPUs declared per actor.
+      num_gpus: GPUs declared per actor.
+      resources: custom Ray resources per actor (e.g. ``{TPU: 4}``).
+      pin_cpus: pin each actor's threads to its CPUs.
+      address: Ray address to join (``auto``), or null for an embedded instance.
+      engine: ``local`` (no Ray) or ``ray``.
+    """
+
+    num_actors: int = 1
+    mode: Literal["sync", "async"] = "sync"
+    batch_size: int = 1
+    max_staleness: int = 2
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    pin_cpus: bool = True
+    address: str | None = None
+    engine: Literal["local", "ray"] = "local"
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from _positive(self, "num_actors", "batch_size")
+        yield from _non_negative(self, "max_staleness", "num_cpus", "num_gpus")
+        for name, amount in self.resources.items():
+            if not name:
+                yield "resources", "resource names must be non-empty"
+            elif not amount >= 0:
+                yield f"resources.{name}", f"must be >= 0, got {amount!r}"
+        if self.address is not None and not self.address.strip():
+            yield "address", "must be non-empty or null"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The meta-training loop.
+
+    Attributes:
+      num_steps: learner (outer) updates.
+      log_every: progress/console logging period, in learner steps.
+      checkpoint_every: checkpoint period, in learner steps.
+      keep_checkpoints: how many recent checkpoints to keep.
+      summary_every: TensorBoard summary period, in learner steps.
+    """
+
+    num_steps: int = 200
+    log_every: int = 10
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    summary_every: int = 10
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from _positive(
+            self, "num_steps", "log_every", "checkpoint_every", "keep_checkpoints", "summary_every"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Meta-testing of a learned optimizer.
+
+    Attributes:
+      num_tasks: inner problems evaluated.
+      num_steps: inner steps per problem.
+      seed: evaluation seed (separate from the training seed).
+    """
+
+    num_tasks: int = 16
+    num_steps: int = 100
+    seed: int = 1234
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from _positive(self, "num_tasks", "num_steps")
+        yield from _non_negative(self, "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A complete, validated run configuration.
+
+    Constructing it (directly, with ``dataclasses.replace`` or through
+    :func:`load_config`) runs the range checks; type checks happen when it is
+    built from YAML or a dict.
+
+    Attributes:
+      name: run name; outputs go to ``<run_dir>/<name>/``.
+      seed: root seed of the run.
+      run_dir: parent directory of run outputs.
+      task: see :class:`TaskConfig`.
+      learned_optimizer: see :class:`LearnedOptimizerConfig`.
+      truncation: see :class:`TruncationConfig`.
+      estimator: see :class:`EstimatorConfig`.
+      outer_optimizer: see :class:`OuterOptimizerConfig`.
+      population: see :class:`PopulationConfig`.
+      train: see :class:`TrainConfig`.
+      eval: see :class:`EvalConfig`.
+    """
+
+    name: str = "quickstart"
+    seed: int = 0
+    run_dir: str = "runs"
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    learned_optimizer: LearnedOptimizerConfig = dataclasses.field(
+        default_factory=LearnedOptimizerConfig
+    )
+    truncation: TruncationConfig = dataclasses.field(default_factory=TruncationConfig)
+    estimator: EstimatorConfig = dataclasses.field(default_factory=EstimatorConfig)
+    outer_optimizer: OuterOptimizerConfig = dataclasses.field(default_factory=OuterOptimizerConfig)
+    population: PopulationConfig = dataclasses.field(default_factory=PopulationConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        problems = list(self._problems())
+        if problems:
+            raise ConfigError("; ".join(f"{name}: {message}" for name, message in problems))
+
+    def _problems(self) -> Iterator[_Problem]:
+        if not self.name or "/" in self.name or "\\" in self.name or self.name in (".", ".."):
+            yield (
+                "name",
+                f"must be a non-empty directory name without separators, got {self.name!r}",
+            )
+        if not self.run_dir:
+            yield "run_dir", "must be non-empty"
+        yield from _non_negative(self, "seed")
+        for field in dataclasses.fields(self):
+            section = getattr(self, field.name)
+            if dataclasses.is_dataclass(section):
+                for name, message in section._problems():
+                    yield f"{field.name}.{name}", message
+
+
+# --------------------------------------------------------------------------
+# Type checking against the schema.
+# --------------------------------------------------------------------------
+
+# Exponent-notation numbers that YAML 1.1 leaves as strings ("1e-3", "2E+5").
+_FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    # Resolves the string annotations left by `from __future__ import annotations`.
+    return typing.get_type_hints(cls)
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _union_args(tp: Any) -> tuple[Any, ...] | None:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return typing.get_args(tp)
+    return None
+
+
+def _type_name(tp: Any) -> str:
+    args = _union_args(tp)
+    if args is not None:
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        return f"mapping of {_type_name(key_tp)} to {_type_name(value_tp)}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _accepts_str(tp: Any) -> bool:
+    args = _union_args(tp)
+    if args is not None:
+        return any(_accepts_str(a) for a in args)
+    if typing.get_origin(tp) is Literal:
+        return any(isinstance(a, str) for a in typing.get_args(tp))
+    return tp is str
+
+
+def _in(source: str) -> str:
+    return f" (in {source})"
+
+
+def _coerce(value: Any, tp: Any, path: str, source: str) -> Any:
+    """Checks ``value`` against ``tp``; returns it converted (int -> float, ...)."""
+
+    def fail() -> ConfigError:
+        return ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}{_in(source)}")
+
+    args = _union_args(tp)
+    if args is not None:
+        if value is None:
+            if type(None) in args:
+                return None
+            raise fail()
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path, source)
+            except ConfigError:
+                continue
+        raise fail()
+
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        # `type(...) is` keeps True from matching a Literal[1] and 1 from matching 1.0.
+        if any(type(value) is type(c) and value == c for c in choices):
+            return value
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{path}: expected one of {allowed}, got {value!r}{_in(source)}")
+
+    if typing.get_origin(tp) is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, Mapping):
+            raise fail()
+        result = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(
+                    f"{path}: keys must be {_type_name(key_tp)}, got {key!r}{_in(source)}"
+                )
+            result[key] = _coerce(item, value_tp, f"{path}.{key}", source)
+        return result
+
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail()
+    if tp is int:
+        # bool is an int subclass; `true` for a count is a mistake, not 1.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail()
+    if tp is float:
+        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+            value = float(value)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{path}: expected a finite float, got {value!r}{_in(source)}")
+            return float(value)
+        raise fail()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise fail()
+    raise TypeError(f"unsupported config field type {tp!r} for {path}")
+
+
+def _known_keys(cls: type, prefix: str) -> list[str]:
+    return [f"{prefix}{f.name}" for f in dataclasses.fields(cls)]
+
+
+def _unknown_key(key: Any, cls: type, prefix: str, source: str) -> ConfigError:
+    dotted = f"{prefix}{key}"
+    known = _known_keys(cls, prefix)
+    close = difflib.get_close_matches(dotted, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(
+        f"unknown config key {dotted!r} in {source}{hint}; known keys: {', '.join(known)}"
+    )
+
+
+def _coerce_section(raw: Any, cls: type, prefix: str, source: str) -> dict[str, Any]:
+    """Type-checks a mapping against a section class; returns checked values."""
+    if raw is None:
+        # An empty YAML section (`estimator:` with nothing under it) means defaults.
+        return {}
+    if not isinstance(raw, Mapping):
+        where = prefix.rstrip(".") or "config"
+        raise ConfigError(
+            f"{where}: expected a mapping with keys {', '.join(_known_keys(cls, prefix))}, "
+            f"got {raw!r}{_in(source)}"
+        )
+    field_types = _field_types(cls)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in field_types:
+            raise _unknown_key(key, cls, prefix, source)
+        tp = field_types[key]
+        path = f"{prefix}{key}"
+        if _is_section(tp):
+            values[key] = _coerce_section(value, tp, f"{path}.", source)
+        else:
+            values[key] = _coerce(value, tp, path, source)
+    return values
+
+
+def _build(cls: type, values: Mapping[str, Any]) -> Any:
+    field_types = _field_types(cls)
+    kwargs = {
+        name: _build(tp, values.get(name, {})) if _is_section(tp) else values[name]
+        for name, tp in field_types.items()
+        if _is_section(tp) or name in values
+    }
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def _apply_override(values: dict[str, Any], override: str) -> None:
+    source = f"--set {override}"
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"bad override {override!r}: expected KEY=VALUE, e.g. estimator.std=0.02")
+    parts = key.split(".")
+    cls: type = Config
+    target = values
+    for i, part in enumerate(parts):
+        prefix = "".join(f"{p}." for p in parts[:i])
+        field_types = _field_types(cls)
+        if part not in field_types:
+            raise _unknown_key(part, cls, prefix, source)
+        tp = field_types[part]
+        last = i == len(parts) - 1
+        if not last:
+            if not _is_section(tp):
+                raise ConfigError(
+                    f"unknown config key {key!r} in {source}: {prefix}{part} holds a "
+                    f"value of type {_type_name(tp)}, not a section"
+                )
+            cls = tp
+            target = target.setdefault(part, {})
+            continue
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{key}: cannot parse value {text!r}{_in(source)}: {e}") from e
+        if _is_section(tp):
+            _merge(target.setdefault(part, {}), _coerce_section(value, tp, f"{key}.", source))
+            return
+        if _accepts_str(tp) and value is not None and not isinstance(value, str | Mapping | list):
+            # `--set name=2024` means the string, even though YAML reads an int.
+            value = text.strip()
+        target[part] = _coerce(value, tp, key, source)
+
+
+def config_from_dict(
+    d: Mapping[str, Any] | None, source: str = "<dict>", overrides: Sequence[str] = ()
+) -> Config:
+    """Builds and validates a :class:`Config` from a nested mapping.
+
+    Args:
+      d: nested mapping of sections (missing keys take their defaults);
+        None means all defaults.
+      source: where ``d`` came from, used in error messages.
+      overrides: ``"a.b=value"`` strings applied on top of ``d``.
+
+    Returns:
+      The validated config.
+
+    Raises:
+      ConfigError: naming the offending field and the source.
+    """
+    values = _coerce_section(d, Config, "", source)
+    for override in overrides:
+        _apply_override(values, override)
+    try:
+        return _build(Config, values)
+    except ConfigError as e:
+        where = source if not overrides else f"{source} with --set {' '.join(overrides)}"
+        raise ConfigError(f"{e}{_in(where)}") from None
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Loads a YAML config file, applies ``--set`` overrides and validates.
+
+    Args:
+      path: YAML file, or None for the defaults.
+      overrides: ``"a.b=value"`` strings; values are parsed as YAML.
+
+    Returns:
+      The validated config.
+
+    Raises:
+      ConfigError: if the file cannot be read or parsed, is not a mapping, or
+        any key or value is invalid. The message names the file (or override)
+        and the dotted field.
+    """
+    if path is None:
+        return config_from_dict({}, source="<defaults>", overrides=overrides)
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {source}: {e}") from e
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {source} is not valid YAML: {e}") from e
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"config file {source} must contain a YAML mapping of config keys, "
+            f"got {type(raw).__name__}"
+        )
+    return config_from_dict(raw, source=source, overrides=overrides)
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as nested plain dicts (YAML- and JSON-safe); inverse of
+    :func:`config_from_dict`."""
+    return dataclasses.asdict(cfg)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The config as YAML text that :func:`load_config` reads back unchanged."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

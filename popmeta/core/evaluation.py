@@ -1,0 +1,68 @@
+"""Meta-testing: inner training curves of an optimizer on freshly sampled tasks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from popmeta.core.optimizers import Optimizer
+from popmeta.core.tasks.base import TaskFamily
+
+__all__ = ["TrainingCurves", "training_curves"]
+
+
+class TrainingCurves(NamedTuple):
+    """Per-task curves, ``[num_tasks, num_steps]``.
+
+    Attributes:
+      train_loss: training loss of the batch each step trained on (before the update).
+      eval_loss: loss of the parameters after each update on a batch of ``eval_split``
+        (the training loss again for data-free tasks).
+    """
+
+    train_loss: jax.Array
+    eval_loss: jax.Array
+
+
+def training_curves(
+    task_family: TaskFamily,
+    optimizer: Optimizer,
+    key: jax.Array,
+    num_tasks: int,
+    num_steps: int,
+    eval_split: str = "test",
+) -> TrainingCurves:
+    """Trains ``num_tasks`` sampled tasks for ``num_steps`` steps with ``optimizer``.
+
+    Pure and jittable (``num_tasks`` and ``num_steps`` static); pass a learned
+    optimizer as ``learned_opt.opt_fn(theta)`` inside the jitted function.
+    """
+
+    def one_task(key):
+        key_task, key_init, key_opt, key_steps = jax.random.split(key, 4)
+        task_param = task_family.sample(key_task)
+        task = task_family.task_fn(task_param)
+        opt_state = optimizer.init(task.init(key_init), num_steps=num_steps, key=key_opt)
+
+        def body(opt_state, key):
+            key_train, key_eval, key_loss, key_update = jax.random.split(key, 4)
+            batch = task_family.sample_batch(key_train, "train")
+            loss, grad = jax.value_and_grad(task.loss)(
+                optimizer.get_params(opt_state), key_loss, batch
+            )
+            opt_state = optimizer.update(opt_state, grad, loss=loss, key=key_update)
+            eval_batch = task_family.sample_batch(key_eval, eval_split)
+            if eval_batch is None:
+                eval_batch = batch
+            eval_loss = task.loss(optimizer.get_params(opt_state), key_eval, eval_batch)
+            return opt_state, (loss, eval_loss)
+
+        _, (train_loss, eval_loss) = jax.lax.scan(
+            body, opt_state, jax.random.split(key_steps, num_steps)
+        )
+        return train_loss, eval_loss
+
+    train_loss, eval_loss = jax.vmap(one_task)(jax.random.split(key, num_tasks))
+    return TrainingCurves(train_loss.astype(jnp.float32), eval_loss.astype(jnp.float32))

@@ -1,0 +1,41 @@
+"""The LearnedOptimizer protocol: meta-parameters theta -> an Optimizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from popmeta.core.optimizers import Optimizer
+
+__all__ = ["LearnedOptimizer", "MetaParams"]
+
+MetaParams = Any
+"""A pytree of float32 arrays (theta)."""
+
+
+class LearnedOptimizer:
+    """Maps meta-parameters ``theta`` to an inner :class:`Optimizer`.
+
+    ``opt_fn`` must be pure in ``theta``: the returned optimizer closes over it,
+    so ``theta`` can be a tracer under ``jit``, ``vmap`` or ``grad`` and the
+    meta-gradient (or an ES perturbation) flows through the whole inner unroll.
+    """
+
+    def init(self, key: jax.Array) -> MetaParams:
+        """Samples initial meta-parameters."""
+        raise NotImplementedError
+
+    def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
+        """Returns the inner optimizer parameterised by ``theta``.
+
+        Args:
+          theta: Meta-parameters (possibly traced).
+          is_training: Whether this optimizer is used for meta-training (as
+            opposed to meta-testing); optimizers may ignore it.
+        """
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__

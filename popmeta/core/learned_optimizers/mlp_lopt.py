@@ -1,0 +1,217 @@
+"""MLPLOpt: a small per-parameter MLP learned optimizer.
+
+Follows ``learned_optimization.learned_optimizers.mlp_lopt.MLPLOpt``: the same
+tiny MLP is applied elementwise to every parameter of every tensor, reading
+features of that parameter's optimisation history and emitting a
+``(direction, magnitude)`` pair:
+
+    step = direction * exp(magnitude * magnitude_multiplier) * step_multiplier
+    p   <- p - step
+
+Input features per parameter (19 with the defaults), in order:
+
+* ``p``, ``g``                                          (2)
+* momentums ``m_k = d_k m_k + (1 - d_k) g`` for each of ``decays``  (3)
+* second moment ``v = rms_decay v + (1 - rms_decay) g**2``          (1)
+* ``m_k / sqrt(v + eps)`` for each decay (Adam-like directions)     (3)
+* ``1 / sqrt(v + eps)``                                             (1)
+* ``tanh(iteration / timescale - 1)`` for each of ``timescales``   (9)
+
+The first ten are normalised by their second moment over the tensor (as the
+reference does), which makes the optimizer invariant to each tensor's gradient
+and parameter scale; the time features are shared by the whole tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
+from popmeta.core.optimizers import Optimizer
+
+__all__ = ["MLPLOpt", "MLPLOptState"]
+
+Params = Any
+
+DEFAULT_DECAYS: tuple[float, ...] = (0.5, 0.9, 0.99)
+DEFAULT_TIMESCALES: tuple[float, ...] = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
+
+
+class MLPLOptState(NamedTuple):
+    """State of the optimizer produced by :class:`MLPLOpt`.
+
+    Attributes:
+      params: Current parameters.
+      momentums: Params-shaped pytree; each leaf has a trailing axis of size
+        ``len(decays)`` holding the gradient EMAs.
+      rms: Params-shaped pytree of squared-gradient EMAs.
+      iteration: Number of updates applied so far (int32 scalar).
+    """
+
+    params: Params
+    momentums: Params
+    rms: Params
+    iteration: jax.Array
+
+
+def _second_moment_normalize(x: jax.Array, axes: tuple[int, ...], eps: float = 1e-5) -> jax.Array:
+    return x * jax.lax.rsqrt(eps + jnp.mean(jnp.square(x), axis=axes, keepdims=True))
+
+
+def _mlp_apply(theta: MetaParams, x: jax.Array) -> jax.Array:
+    n_layers = len(theta)
+    for i in range(n_layers):
+        layer = theta[f"linear_{i}"]
+        x = x @ layer["w"] + layer["b"]
+        if i < n_layers - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+class _MLPLOptOptimizer(Optimizer):
+    """The inner optimizer of one ``theta`` (may be a tracer)."""
+
+    def __init__(self, lopt: MLPLOpt, theta: MetaParams):
+        self._lopt = lopt
+        self._theta = theta
+
+    def init(
+        self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
+    ) -> MLPLOptState:
+        del num_steps, key
+        n = len(self._lopt.decays)
+        return MLPLOptState(
+            params=params,
+            momentums=jax.tree.map(lambda p: jnp.zeros((*jnp.shape(p), n), jnp.float32), params),
+            rms=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params),
+            iteration=jnp.asarray(0, jnp.int32),
+        )
+
+    def update(
+        self,
+        state: MLPLOptState,
+        grad: Params,
+        loss: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> MLPLOptState:
+        del loss, key
+        lopt = self._lopt
+        decays = jnp.asarray(lopt.decays, jnp.float32)
+        rms_decay = jnp.float32(lopt.rms_decay)
+
+        momentums = jax.tree.map(
+            lambda m, g: decays * m + (1.0 - decays) * g[..., None], state.momentums, grad
+        )
+        rms = jax.tree.map(
+            lambda v, g: rms_decay * v + (1.0 - rms_decay) * jnp.square(g), state.rms, grad
+        )
+        # Features use the iteration of the step being taken (0 on the first).
+        time_features = jnp.tanh(
+            jnp.asarray(state.iteration, jnp.float32) / jnp.asarray(lopt.timescales, jnp.float32)
+            - 1.0
+        )
+
+        def update_tensor(p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array) -> jax.Array:
+            shape = p.shape
+            # The tensor-wide normalisation needs at least one axis.
+            if not shape:
+                p, g, m, v = p[None], g[None], m[None], v[None]
+            inv_rms = jax.lax.rsqrt(v + lopt.epsilon)
+            per_param = jnp.concatenate(
+                [
+                    p[..., None],
+                    g[..., None],
+                    m,
+                    v[..., None],
+                    m * inv_rms[..., None],
+                    inv_rms[..., None],
+                ],
+                axis=-1,
+            )
+            per_param = _second_moment_normalize(per_param, tuple(range(p.ndim)))
+            shared = jnp.broadcast_to(time_features, (*p.shape, time_features.shape[0]))
+            out = _mlp_apply(self._theta, jnp.concatenate([per_param, shared], axis=-1))
+            direction, magnitude = out[..., 0], out[..., 1]
+            step = direction * jnp.exp(magnitude * lopt.magnitude_multiplier) * lopt.step_multiplier
+            return jnp.reshape(p - step.astype(p.dtype), shape)
+
+        params = jax.tree.map(update_tensor, state.params, grad, momentums, rms)
+        return MLPLOptState(
+            params=params, momentums=momentums, rms=rms, iteration=state.iteration + 1
+        )
+
+
+class MLPLOpt(LearnedOptimizer):
+    """Per-parameter MLP learned optimizer (see the module docstring).
+
+    Theta is ``{"linear_i": {"w": [fan_in, fan_out], "b": [fan_out]}}`` for
+    ``hidden_layers`` hidden layers of ``hidden_size`` relu units and a 2-unit
+    output layer: 1762 float32 numbers with the defaults.
+    """
+
+    def __init__(
+        self,
+        step_multiplier: float = 0.001,
+        magnitude_multiplier: float = 0.001,
+        hidden_size: int = 32,
+        hidden_layers: int = 2,
+        decays: Sequence[float] = DEFAULT_DECAYS,
+        rms_decay: float = 0.999,
+        timescales: Sequence[float] = DEFAULT_TIMESCALES,
+        epsilon: float = 1e-8,
+        output_init_scale: float = 1e-3,
+    ):
+        """Builds the learned optimizer.
+
+        Args:
+          step_multiplier: Scale of every step; with a unit-size direction the
+            optimizer moves each parameter by about this much.
+          magnitude_multiplier: Scale of the log-magnitude output.
+          hidden_size: Width of each hidden layer.
+          hidden_layers: Number of hidden layers.
+          decays: Momentum EMA decays, one feature (and one Adam-like ratio
+            feature) each.
+          rms_decay: Decay of the squared-gradient EMA.
+          timescales: Iteration timescales of the tanh time features.
+          epsilon: Added to the squared-gradient EMA before ``rsqrt``.
+          output_init_scale: Multiplies the output layer's initial weights so an
+            untrained theta is close to "do nothing" and meta-training starts
+            from a stable inner run.
+        """
+        self.step_multiplier = step_multiplier
+        self.magnitude_multiplier = magnitude_multiplier
+        self.hidden_size = hidden_size
+        self.hidden_layers = hidden_layers
+        self.decays = tuple(float(d) for d in decays)
+        self.rms_decay = float(rms_decay)
+        self.timescales = tuple(float(t) for t in timescales)
+        self.epsilon = float(epsilon)
+        self.output_init_scale = output_init_scale
+
+    @property
+    def num_features(self) -> int:
+        """Width of the MLP input (19 with the defaults)."""
+        return 2 + 2 * len(self.decays) + 2 + len(self.timescales)
+
+    def init(self, key: jax.Array) -> MetaParams:
+        sizes = (self.num_features, *([self.hidden_size] * self.hidden_layers), 2)
+        keys = jax.random.split(key, len(sizes) - 1)
+        theta = {}
+        for i, (k, fan_in, fan_out) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True)):
+            # Haiku's default Linear init (truncated normal, std 1/sqrt(fan_in)),
+            # as the reference MLPLOpt uses.
+            w = jax.random.truncated_normal(k, -2.0, 2.0, (fan_in, fan_out), jnp.float32)
+            w = w / np.float32(np.sqrt(fan_in))
+            if i == len(sizes) - 2:
+                w = w * np.float32(self.output_init_scale)
+            theta[f"linear_{i}"] = {"w": w, "b": jnp.zeros((fan_out,), jnp.float32)}
+        return theta
+
+    def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
+        del is_training
+        return _MLPLOptOptimizer(self, theta)

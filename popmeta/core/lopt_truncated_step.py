@@ -1,0 +1,207 @@
+"""Truncated step that trains sampled tasks with a learned optimizer.
+
+``VectorizedLOptTruncatedStep`` keeps ``num_tasks`` inner problems side by side.
+One unroll step is one inner update of every task. The step that reaches the
+trajectory length reports ``is_done``; the next step resets that task (new task
+sample, new parameters, iteration 0) and reports ``loss=0, mask=False``.
+
+Resets are the expensive part of a step (a task init and an optimizer init), so
+they run under one ``lax.cond`` for the whole batch: steps in which no task
+resets, most of them, never pay for an init.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from popmeta.core.learned_optimizers.base import LearnedOptimizer
+from popmeta.core.tasks.base import TaskFamily, vec_get_batch
+from popmeta.core.tree_utils import select_tasks
+from popmeta.core.truncated_step import TruncatedStep, TruncatedUnrollOut
+from popmeta.core.truncation import TruncationSchedule, TruncationState
+
+__all__ = ["LOptTruncatedState", "VectorizedLOptTruncatedStep"]
+
+
+class LOptTruncatedState(NamedTuple):
+    """Per-task state (every field has a leading ``num_tasks`` axis)."""
+
+    inner_opt_state: Any
+    truncation_state: TruncationState
+    task_param: Any
+    is_done: jax.Array  # the previous step ended the trajectory: this step resets it
+
+
+class VectorizedLOptTruncatedStep(TruncatedStep):
+    """Inner training of ``num_tasks`` tasks from ``task_family`` by ``learned_opt``.
+
+    Args:
+      task_family: tasks to sample; one fresh sample per trajectory.
+      learned_opt: the meta-learned optimizer; theta is its parameters.
+      trunc_sched: trajectory lengths.
+      num_tasks: number of inner problems trained side by side.
+      random_initial_iteration_offset: if > 0, each task's first trajectory starts
+        at an iteration drawn uniformly from ``[0, offset)`` so the population is
+        spread over the trajectory rather than running in lockstep.
+      meta_loss_split: None to use the normalized training loss before the update
+        as the per-step meta-loss; otherwise a data split (e.g. "outer_valid") on
+        which the updated parameters are evaluated.
+      host_data: if True, ``get_batch`` pulls host batches from the family's
+        ``datasets`` iterators (the reference behaviour); by default data is
+        sampled on device inside the jitted unroll and ``get_batch`` returns None.
+    """
+
+    def __init__(
+        self,
+        task_family: TaskFamily,
+        learned_opt: LearnedOptimizer,
+        trunc_sched: TruncationSchedule,
+        num_tasks: int,
+        random_initial_iteration_offset: int = 0,
+        meta_loss_split: str | None = None,
+        host_data: bool = False,
+    ):
+        if num_tasks < 1:
+            raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        if random_initial_iteration_offset < 0:
+            raise ValueError(
+                "random_initial_iteration_offset must be >= 0, got "
+                f"{random_initial_iteration_offset}"
+            )
+        self.task_family = task_family
+        self.learned_opt = learned_opt
+        self.trunc_sched = trunc_sched
+        self.num_tasks = int(num_tasks)
+        self.random_initial_iteration_offset = int(random_initial_iteration_offset)
+        self.meta_loss_split = meta_loss_split
+        self.host_data = host_data
+
+    # -- one task -----------------------------------------------------------------
+
+    def _init_one(self, theta, key, outer_state):
+        """A fresh trajectory at iteration 0."""
+        key_task, key_params, key_opt, key_trunc = jax.random.split(key, 4)
+        task_param = self.task_family.sample(key_task)
+        task = self.task_family.task_fn(task_param)
+        params = task.init(key_params)
+        opt = self.learned_opt.opt_fn(theta, is_training=True)
+        max_length = getattr(self.trunc_sched, "max_length", None)
+        opt_state = opt.init(params, num_steps=max_length, key=key_opt)
+        trunc_state = self.trunc_sched.init(key_trunc, outer_state)
+        return LOptTruncatedState(opt_state, trunc_state, task_param, jnp.asarray(False))
+
+    def _update_one(self, theta, state: LOptTruncatedState, key, data, outer_state):
+        key_data, key_loss, key_opt, key_trunc, key_meta = jax.random.split(key, 5)
+        task = self.task_family.task_fn(state.task_param)
+        opt = self.learned_opt.opt_fn(theta, is_training=True)
+        if self.meta_loss_split is None:
+            train_batch, meta_batch = data, None
+        else:
+            train_batch, meta_batch = data if data is not None else (None, None)
+        if train_batch is None:
+            train_batch = self.task_family.sample_batch(key_data, "train")
+        params = opt.get_params(state.inner_opt_state)
+        loss, grad = jax.value_and_grad(task.loss)(params, key_loss, train_batch)
+        opt_state = opt.update(state.inner_opt_state, grad, loss=loss, key=key_opt)
+        trunc_state, is_done = self.trunc_sched.next_state(
+            state.truncation_state, opt_state.iteration, key_trunc, outer_state
+        )
+        if self.meta_loss_split is None:
+            meta_loss = task.normalizer(loss)
+        else:
+            if meta_batch is None:
+                meta_batch = self.task_family.sample_batch(key_meta, self.meta_loss_split)
+            meta_loss = task.normalizer(task.loss(opt.get_params(opt_state), key_meta, meta_batch))
+        out = TruncatedUnrollOut(
+            loss=meta_loss.astype(jnp.float32),
+            is_done=is_done,
+            task_param=state.task_param,
+            iteration=opt_state.iteration,
+            mask=jnp.asarray(True),
+        )
+        return LOptTruncatedState(opt_state, trunc_state, state.task_param, is_done), out
+
+    # -- vectorized ---------------------------------------------------------------
+
+    def _theta_axis(self, theta_is_vector: bool) -> int | None:
+        return 0 if theta_is_vector else None
+
+    def init_step_state(self, theta, outer_state, key, theta_is_vector=False):
+        key_init, key_offset = jax.random.split(key)
+        init = jax.vmap(self._init_one, in_axes=(self._theta_axis(theta_is_vector), 0, None))
+        state = init(theta, jax.random.split(key_init, self.num_tasks), outer_state)
+        if self.random_initial_iteration_offset:
+            offsets = jax.random.randint(
+                key_offset, (self.num_tasks,), 0, self.random_initial_iteration_offset, jnp.int32
+            )
+            state = state._replace(
+                inner_opt_state=state.inner_opt_state._replace(iteration=offsets)
+            )
+        return state
+
+    def unroll_step(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
+        theta_axis = self._theta_axis(theta_is_vector)
+        key_update, key_reset = jax.random.split(key)
+        update = jax.vmap(self._update_one, in_axes=(theta_axis, 0, 0, 0, None))
+        stepped, out = update(
+            theta, unroll_state, jax.random.split(key_update, self.num_tasks), data, outer_state
+        )
+        resetting = unroll_state.is_done
+
+        def reset_finished(stepped_and_out):
+            stepped, out = stepped_and_out
+            init = jax.vmap(self._init_one, in_axes=(theta_axis, 0, None))
+            fresh = init(theta, jax.random.split(key_reset, self.num_tasks), outer_state)
+            reset_out = TruncatedUnrollOut(
+                loss=jnp.zeros_like(out.loss),
+                is_done=jnp.zeros_like(out.is_done),
+                task_param=fresh.task_param,
+                iteration=jnp.zeros_like(out.iteration),
+                mask=jnp.zeros_like(out.mask),
+            )
+            return select_tasks(resetting, fresh, stepped), select_tasks(resetting, reset_out, out)
+
+        return jax.lax.cond(jnp.any(resetting), reset_finished, lambda so: so, (stepped, out))
+
+    def meta_loss_batch(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
+        split = self.meta_loss_split or "train"
+
+        def one(theta, state, key, batch):
+            task = self.task_family.task_fn(state.task_param)
+            opt = self.learned_opt.opt_fn(theta)
+            if batch is None:
+                batch = self.task_family.sample_batch(key, split)
+            return task.normalizer(task.loss(opt.get_params(state.inner_opt_state), key, batch))
+
+        keys = jax.random.split(key, self.num_tasks)
+        return jax.vmap(one, in_axes=(self._theta_axis(theta_is_vector), 0, 0, 0))(
+            theta, unroll_state, keys, data
+        )
+
+    # -- host data (reference-compatible path) -----------------------------------
+
+    def _host_batches(self, steps: int | None, split: str) -> Any:
+        if not self.host_data or self.task_family.datasets is None:
+            return None
+        if steps is None:
+            return vec_get_batch(self.task_family, self.num_tasks, split, numpy=True)
+        batches = [
+            vec_get_batch(self.task_family, self.num_tasks, split, numpy=True) for _ in range(steps)
+        ]
+        return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
+
+    def get_batch(self, steps=None):
+        train = self._host_batches(steps, "train")
+        if self.meta_loss_split is None or train is None:
+            return train
+        return train, self._host_batches(steps, self.meta_loss_split)
+
+    def get_outer_batch(self, steps=None):
+        return self._host_batches(steps, self.meta_loss_split or "train")
+
+    def task_name(self):
+        return getattr(self.task_family, "name", type(self.task_family).__name__)

@@ -1,0 +1,37 @@
+"""The learner: TrainState, its jitted optax step, and checkpoints."""
+
+from popmeta.learner.checkpoints import (
+    Checkpoint,
+    CheckpointCorruptedError,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_checkpoint_metadata,
+    restore_latest,
+    save_checkpoint,
+)
+from popmeta.learner.train_state import (
+    LossFn,
+    TrainState,
+    build_apply_estimate_fn,
+    build_train_step_fn,
+    make_outer_optimizer,
+)
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointCorruptedError",
+    "LossFn",
+    "TrainState",
+    "build_apply_estimate_fn",
+    "build_train_step_fn",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "make_outer_optimizer",
+    "read_checkpoint_metadata",
+    "restore_latest",
+    "save_checkpoint",
+]

@@ -1,0 +1,66 @@
+"""Combining gradient estimates from many workers into one update direction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+__all__ = ["Aggregate", "Estimate", "aggregate", "is_finite_estimate"]
+
+
+class Estimate(NamedTuple):
+    """One worker's estimate as the learner receives it (host numpy arrays).
+
+    Attributes:
+      grad: theta-shaped gradient estimate.
+      mean_loss: mean meta-loss of the truncation behind it.
+      weight: number of valid samples (tasks) behind it.
+      version: theta version it was computed on.
+      worker: rank of the worker that computed it.
+      metrics: scalar diagnostics from the estimator.
+    """
+
+    grad: Any
+    mean_loss: float
+    weight: float
+    version: int
+    worker: int
+    metrics: dict[str, float]
+
+
+class Aggregate(NamedTuple):
+    grad: Any  # None when no estimate was usable
+    mean_loss: float
+    num_used: int
+    num_rejected_nonfinite: int
+    total_weight: float
+
+
+def is_finite_estimate(estimate: Estimate) -> bool:
+    return bool(np.isfinite(estimate.mean_loss)) and all(
+        np.all(np.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(estimate.grad)
+    )
+
+
+def aggregate(estimates: Sequence[Estimate]) -> Aggregate:
+    """Weighted mean of the finite estimates, in the order given.
+
+    Non-finite estimates are counted and never applied; estimates of zero
+    weight contribute nothing. The order is part of the result (floating-point
+    sums), so callers that need determinism pass estimates in worker-rank order.
+    """
+    usable = [e for e in estimates if is_finite_estimate(e) and e.weight > 0]
+    rejected = sum(not is_finite_estimate(e) for e in estimates)
+    total = float(sum(e.weight for e in usable))
+    if not usable:
+        return Aggregate(None, float("nan"), 0, rejected, 0.0)
+    weights = [np.float32(e.weight / total) for e in usable]
+    grad = jax.tree_util.tree_map(
+        lambda *leaves: sum(w * np.asarray(leaf) for w, leaf in zip(weights, leaves, strict=True)),
+        *[e.grad for e in usable],
+    )
+    mean_loss = float(sum(w * e.mean_loss for w, e in zip(weights, usable, strict=True)))
+    return Aggregate(grad, mean_loss, len(usable), rejected, total)

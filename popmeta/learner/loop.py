@@ -1,0 +1,178 @@
+"""The meta-training loop: gather estimates, aggregate, update theta, log, checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from popmeta.config import Config, config_to_dict, config_to_yaml
+from popmeta.evaluate import EvalResult, evaluate_thetas, initial_theta
+from popmeta.learner.aggregation import Estimate, aggregate
+from popmeta.learner.checkpoints import restore_latest, save_checkpoint
+from popmeta.learner.learner import Learner
+from popmeta.learner.summaries import Summaries
+
+__all__ = ["Population", "RunResult", "train"]
+
+log = logging.getLogger("popmeta")
+
+#: Consecutive rounds with no usable estimate after which the run stops.
+MAX_FAILED_ROUNDS = 20
+
+
+class Population(Protocol):
+    num_live: int
+    steps_per_estimate: int
+
+    def estimates(self, theta: Any, version: int) -> list[Estimate]: ...
+
+    def close(self) -> None: ...
+
+
+class RunResult(NamedTuple):
+    run_dir: Path
+    final_step: int
+    meta_loss_start: float
+    meta_loss_end: float
+    evaluation: dict[str, EvalResult]
+    interrupted: bool
+
+
+class _Progress:
+    """A tqdm bar on a terminal, plain log lines otherwise."""
+
+    def __init__(self, total: int, initial: int, every: int, stream=None):
+        self.stream = stream or sys.stderr
+        self.every = max(every, 1)
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, initial=initial, file=self.stream, unit="step", dynamic_ncols=True
+            )
+
+    def update(self, step: int, total: int, fields: dict[str, str]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == total:
+            text = " ".join(f"{k}={v}" for k, v in fields.items())
+            print(f"step {step}/{total} {text}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(
+    config: Config,
+    population_factory: Callable[[Config], Population],
+    stream=None,
+) -> RunResult:
+    """Meta-trains theta for ``config.train.num_steps`` outer steps, resuming if possible.
+
+    Writes ``config.yaml``, TensorBoard events and checkpoints under
+    ``run_dir/name``. Ctrl-C stops after the current step, saves a checkpoint
+    and closes the event files: the run directory stays consistent.
+    """
+    stream = stream or sys.stdout
+    run_dir = Path(config.run_dir) / config.name
+    ckpt_dir = run_dir / "checkpoints"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_to_yaml(config))
+
+    learner = Learner(config)
+    restored = restore_latest(ckpt_dir, learner.checkpoint_tree())
+    if restored is not None:
+        learner.restore(restored.tree)
+        print(f"resumed from {restored.path} at step {learner.version}", file=stream)
+
+    tcfg = config.train
+    population = population_factory(config)
+    summaries = Summaries(run_dir)
+    progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every, stream)
+    meta_losses: list[float] = []
+    interrupted = False
+    failures = 0
+
+    def checkpoint():
+        save_checkpoint(
+            ckpt_dir,
+            learner.version,
+            learner.checkpoint_tree(),
+            keep=tcfg.keep_checkpoints,
+            metadata={"config": config_to_dict(config)},
+        )
+
+    try:
+        while learner.version < tcfg.num_steps:
+            start = time.perf_counter()
+            estimates = population.estimates(learner.theta(), learner.version)
+            gathered = time.perf_counter()
+            agg = aggregate(estimates)
+            if agg.grad is None:
+                failures += 1
+                log.warning(
+                    "step %d: no usable estimate (%d non-finite); theta unchanged",
+                    learner.version,
+                    agg.num_rejected_nonfinite,
+                )
+                if failures >= MAX_FAILED_ROUNDS:
+                    raise RuntimeError(
+                        f"{failures} rounds in a row without a finite estimate at step "
+                        f"{learner.version}; the last checkpoint is kept in {ckpt_dir}"
+                    )
+                continue
+            failures = 0
+            norms = learner.apply(agg)
+            done = time.perf_counter()
+            step = learner.version
+            meta_losses.append(agg.mean_loss)
+            elapsed = done - start
+            values = {
+                "meta_loss": agg.mean_loss,
+                **norms,
+                "learner_update_time": done - gathered,
+                "estimates_per_s": len(estimates) / elapsed,
+                "inner_steps_per_s": len(estimates) * population.steps_per_estimate / elapsed,
+                "rejected_nonfinite": agg.num_rejected_nonfinite,
+                "live_actors": population.num_live,
+            }
+            if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
+                summaries.scalars(step, values)
+            if step % tcfg.checkpoint_every == 0:
+                checkpoint()
+            progress.update(
+                step,
+                tcfg.num_steps,
+                {
+                    "meta_loss": f"{agg.mean_loss:.4f}",
+                    "est/s": f"{values['estimates_per_s']:.1f}",
+                    "actors": str(population.num_live),
+                },
+            )
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: saving a checkpoint and closing the run", file=stream)
+    finally:
+        progress.close()
+        population.close()
+        checkpoint()
+        summaries.close()
+
+    window = max(1, len(meta_losses) // 10)
+    start_loss = float(np.mean(meta_losses[:window])) if meta_losses else float("nan")
+    end_loss = float(np.mean(meta_losses[-window:])) if meta_losses else float("nan")
+    evaluation = {}
+    if not interrupted:
+        evaluation = evaluate_thetas(
+            config, {"trained": learner.theta(), "untrained": initial_theta(config)}
+        )
+    return RunResult(run_dir, learner.version, start_loss, end_loss, evaluation, interrupted)

@@ -1,0 +1,332 @@
+"""The learner's state and its jitted optax step.
+
+Everything here is pure: pytrees in, pytrees out, no Ray and no I/O. The shell
+(`popmeta.learner` aggregation, the population, the CLI) owns the side effects.
+
+Two step builders share one update path:
+
+* :func:`build_train_step_fn` differentiates a loss, for ordinary
+  gradient-based training in one process.
+* :func:`build_apply_estimate_fn` consumes a gradient estimate that was
+  computed elsewhere (an aggregated ES/PES/NRES estimate of theta) and only
+  applies the optimizer.
+
+Both can donate the incoming state's buffers and can be given shardings for the
+state (and batch), in which case XLA keeps params and optimizer state laid out
+as requested across steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = [
+    "LossFn",
+    "TrainState",
+    "build_apply_estimate_fn",
+    "build_train_step_fn",
+    "make_outer_optimizer",
+]
+
+PyTree = Any
+Metrics = dict[str, jax.Array]
+# loss_fn(params, loss_fn_state, batch, rng) -> (loss, (new_loss_fn_state, metrics))
+LossFn = Callable[[PyTree, PyTree, PyTree, jax.Array], tuple[jax.Array, tuple[PyTree, Metrics]]]
+TrainStepFn = Callable[["TrainState", PyTree], tuple["TrainState", Metrics]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything the learner needs to take the next optimizer step.
+
+    A pytree: ``step``, ``root_rng``, ``params``, ``opt_state`` and
+    ``loss_fn_state`` are data (traced under ``jax.jit``, donated, sharded);
+    ``tx`` is static metadata, so it is part of the treedef and the jit cache
+    key rather than an argument.
+
+    Attributes:
+      step: int32 scalar array, the number of updates applied so far.
+      root_rng: PRNG key (typed ``jax.random.key`` or raw uint32). Step ``t``
+        uses ``jax.random.fold_in(root_rng, t)``, so randomness is a pure
+        function of (root_rng, step) and survives checkpoint/resume exactly.
+      params: the parameters being trained (theta for meta-training).
+      opt_state: the optax state of ``tx`` for ``params``.
+      loss_fn_state: any extra pytree threaded through the loss function
+        (e.g. batch-norm statistics); may be ``None``.
+      tx: the optax gradient transformation (static).
+    """
+
+    step: jax.Array
+    root_rng: jax.Array
+    params: PyTree
+    opt_state: optax.OptState
+    loss_fn_state: PyTree
+    tx: optax.GradientTransformation = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def initial_state(
+        cls,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        rng: jax.Array,
+        loss_fn_state: PyTree = None,
+    ) -> TrainState:
+        """Builds the state at step 0 with ``opt_state = tx.init(params)``.
+
+        Args:
+          params: initial parameters.
+          tx: optax transformation used for every step.
+          rng: root PRNG key of the run.
+          loss_fn_state: optional extra state for the loss function.
+
+        Returns:
+          A new ``TrainState``. Note that ``params`` is stored as given: if a
+          step later donates the state, the caller's arrays are donated too.
+        """
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            root_rng=rng,
+            params=params,
+            opt_state=tx.init(params),
+            loss_fn_state=loss_fn_state,
+            tx=tx,
+        )
+
+    def replace(self, **changes: Any) -> TrainState:
+        """Returns a copy with the given fields replaced."""
+        return dataclasses.replace(self, **changes)
+
+    def step_rng(self) -> jax.Array:
+        """The PRNG key for the current step: ``fold_in(root_rng, step)``."""
+        return jax.random.fold_in(self.root_rng, self.step)
+
+    def apply_gradients(self, grads: PyTree, **changes: Any) -> TrainState:
+        """Applies one optimizer update and increments ``step``.
+
+        Args:
+          grads: gradient (or gradient estimate) with the structure of params.
+          **changes: other fields to replace at the same time (e.g.
+            ``loss_fn_state``).
+
+        Returns:
+          The updated state.
+        """
+        new_state, _ = _apply_updates(self, grads)
+        return new_state.replace(**changes) if changes else new_state
+
+
+def _apply_updates(state: TrainState, grads: PyTree) -> tuple[TrainState, PyTree]:
+    """One optax update; also returns the updates so callers can log their norm."""
+    updates, new_opt_state = state.tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state)
+    return new_state, updates
+
+
+def _norm_metrics(grads: PyTree, updates: PyTree, new_params: PyTree) -> Metrics:
+    return {
+        "grad_norm": optax.tree.norm(grads),
+        "update_norm": optax.tree.norm(updates),
+        "param_norm": optax.tree.norm(new_params),
+    }
+
+
+def _maybe_jit(
+    fn: Callable[..., Any],
+    *,
+    jit: bool,
+    donate: bool,
+    in_shardings: tuple[Any, Any] | None,
+    out_shardings: tuple[Any, Any] | None,
+) -> Callable[..., Any]:
+    if not jit:
+        return fn
+    kwargs: dict[str, Any] = {}
+    if donate:
+        # Only the state (argument 0) is donated: it is dead after the step,
+        # while the batch / estimate may still be referenced by the caller.
+        kwargs["donate_argnums"] = (0,)
+    if in_shardings is not None:
+        kwargs["in_shardings"] = in_shardings
+    if out_shardings is not None:
+        kwargs["out_shardings"] = out_shardings
+    return jax.jit(fn, **kwargs)
+
+
+def build_train_step_fn(
+    loss_fn: LossFn,
+    jit: bool = True,
+    donate_params_and_state: bool = False,
+    train_state_shardings: TrainState | jax.sharding.Sharding | None = None,
+    batch_shardings: PyTree | None = None,
+) -> TrainStepFn:
+    """Builds ``step(train_state, batch) -> (new_train_state, metrics)``.
+
+    The step computes ``jax.value_and_grad`` of ``loss_fn`` at the current
+    params with the per-step key ``fold_in(root_rng, step)``, applies the
+    optax update and increments ``step``.
+
+    Args:
+      loss_fn: ``loss_fn(params, loss_fn_state, batch, rng)`` returning
+        ``(loss, (new_loss_fn_state, metrics_dict))``.
+      jit: whether to wrap the step in ``jax.jit``. With ``jit=False`` the raw
+        function is returned (for debugging or for embedding in a larger jit).
+      donate_params_and_state: donate the incoming ``TrainState`` (params,
+        optimizer state, rng, ...) so XLA can reuse its buffers for the output.
+        The passed state must not be used after the call, nor any array that
+        shares its buffers (``jax.device_put`` onto an unchanged placement and
+        ``TrainState.initial_state`` do not copy).
+      train_state_shardings: a ``TrainState``-shaped pytree of shardings (e.g.
+        ``jax.tree.map(lambda _: sharding, state)``), or one sharding for every
+        leaf. Used as the input and output sharding of the state.
+      batch_shardings: shardings (or a prefix of them) for the batch.
+
+    Returns:
+      The step function. Metrics contain ``loss``, ``grad_norm`` (before any
+      clipping in ``tx``), ``update_norm``, ``param_norm`` (after the update)
+      and every entry of the loss function's metrics dict; on a name clash
+      the four standard entries win.
+    """
+
+    def step(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        rng = state.step_rng()
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (new_loss_fn_state, aux_metrics)), grads = grad_fn(
+            state.params, state.loss_fn_state, batch, rng
+        )
+        new_state, updates = _apply_updates(state, grads)
+        new_state = new_state.replace(loss_fn_state=new_loss_fn_state)
+        metrics = dict(aux_metrics or {})
+        metrics["loss"] = loss
+        metrics.update(_norm_metrics(grads, updates, new_state.params))
+        return new_state, metrics
+
+    in_shardings = out_shardings = None
+    if train_state_shardings is not None or batch_shardings is not None:
+        in_shardings = (train_state_shardings, batch_shardings)
+    if train_state_shardings is not None:
+        # Metrics are left to the partitioner (None).
+        out_shardings = (train_state_shardings, None)
+    return _maybe_jit(
+        step,
+        jit=jit,
+        donate=donate_params_and_state,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+    )
+
+
+def build_apply_estimate_fn(
+    jit: bool = True,
+    donate_params_and_state: bool = False,
+    train_state_shardings: TrainState | jax.sharding.Sharding | None = None,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, Metrics]]:
+    """Builds ``step(train_state, grad) -> (new_train_state, metrics)``.
+
+    This is the learner's update for estimated gradients: ``grad`` (e.g. an
+    aggregated ES/PES estimate of d meta-loss / d theta) is fed to the optax
+    chain as is, without differentiating anything.
+
+    Args:
+      jit: whether to wrap the step in ``jax.jit``.
+      donate_params_and_state: donate the incoming ``TrainState``; the passed
+        state must not be used after the call. The estimate is not donated.
+      train_state_shardings: a ``TrainState``-shaped pytree of shardings, or
+        one sharding for every leaf. The estimate is given the shardings of
+        ``params``.
+
+    Returns:
+      The step function. Metrics: ``grad_norm`` of the estimate as received,
+      ``update_norm`` and ``param_norm`` after the update.
+    """
+
+    def step(state: TrainState, grad: PyTree) -> tuple[TrainState, Metrics]:
+        new_state, updates = _apply_updates(state, grad)
+        return new_state, _norm_metrics(grad, updates, new_state.params)
+
+    in_shardings = out_shardings = None
+    if train_state_shardings is not None:
+        grad_shardings = (
+            train_state_shardings.params
+            if isinstance(train_state_shardings, TrainState)
+            else train_state_shardings
+        )
+        in_shardings = (train_state_shardings, grad_shardings)
+        out_shardings = (train_state_shardings, None)
+    return _maybe_jit(
+        step,
+        jit=jit,
+        donate=donate_params_and_state,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+    )
+
+
+_OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgdm")
+
+
+def make_outer_optimizer(
+    name: str,
+    learning_rate: float | optax.Schedule,
+    clip_grad_norm: float | None = 3.0,
+    weight_decay: float = 0.0,
+    *,
+    momentum: float = 0.9,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
+    """Builds the meta (outer) optimizer as one optax chain.
+
+    The chain is ``clip_by_global_norm(clip_grad_norm)`` (omitted when
+    ``clip_grad_norm`` is None) followed by the optimizer, so clipping acts on
+    the raw estimate, before any weight decay or moment accumulation.
+
+    Args:
+      name: one of ``"adam"``, ``"adamw"``, ``"sgd"``, ``"sgdm"``.
+      learning_rate: step size or optax schedule.
+      clip_grad_norm: max global norm of the incoming gradient, or None.
+      weight_decay: for ``"adamw"``, decoupled weight decay (``optax.adamw``).
+        For the others, coupled L2 decay (``wd * params`` added to the clipped
+        gradient before the optimizer).
+      momentum: momentum of ``"sgdm"``.
+      b1: Adam first-moment decay.
+      b2: Adam second-moment decay.
+      eps: Adam epsilon.
+
+    Returns:
+      The optax transformation.
+
+    Raises:
+      ValueError: for an unknown name or a non-positive clip norm / negative
+        weight decay.
+    """
+    if name not in _OPTIMIZER_NAMES:
+        raise ValueError(f"unknown outer optimizer {name!r}; expected one of {_OPTIMIZER_NAMES}")
+    if clip_grad_norm is not None and clip_grad_norm <= 0:
+        raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+    parts: list[optax.GradientTransformation] = []
+    if clip_grad_norm is not None:
+        parts.append(optax.clip_by_global_norm(clip_grad_norm))
+    if name == "adamw":
+        parts.append(optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    else:
+        if weight_decay > 0:
+            parts.append(optax.add_decayed_weights(weight_decay))
+        if name == "adam":
+            parts.append(optax.adam(learning_rate, b1=b1, b2=b2, eps=eps))
+        elif name == "sgd":
+            parts.append(optax.sgd(learning_rate))
+        else:
+            parts.append(optax.sgd(learning_rate, momentum=momentum))
+    return optax.chain(*parts)

@@ -1,0 +1,264 @@
+"""Tests for popmeta.config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+import yaml
+
+from popmeta.config import (
+    Config,
+    ConfigError,
+    EstimatorConfig,
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+)
+
+
+def _write(tmp_path, text: str, name: str = "x.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.name == "quickstart" and cfg.seed == 0 and cfg.run_dir == "runs"
+    assert cfg.task.family == "fixed_dim_quadratic_data" and cfg.task.npz_path is None
+    assert cfg.learned_optimizer.kind == "mlp" and cfg.learned_optimizer.hidden_size == 32
+    assert cfg.truncation.schedule == "constant" and cfg.truncation.length == 50
+    assert cfg.estimator.kind == "pes" and cfg.estimator.std == 0.01
+    assert cfg.estimator.sign_delta_loss_scalar is None
+    assert cfg.outer_optimizer.name == "adam" and cfg.outer_optimizer.clip_grad_norm == 3.0
+    assert cfg.population.resources == {} and cfg.population.engine == "local"
+    assert cfg.train.num_steps == 200 and cfg.eval.seed == 1234
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1  # type: ignore[misc]
+
+
+def test_yaml_file_loads(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+name: run1
+seed: 3
+task:
+  family: image_mlp_npz
+  npz_path: data/digits.npz
+estimator:
+  kind: nres
+  std: 0.05
+  num_tasks: 4
+outer_optimizer:
+  learning_rate: 1e-3   # YAML 1.1 reads this as a string
+  clip_grad_norm: null
+population:
+  num_actors: 4
+  mode: async
+  resources: {TPU: 1}
+train:
+  num_steps: 10
+""",
+    )
+    cfg = load_config(path)
+    assert cfg.name == "run1" and cfg.seed == 3
+    assert cfg.task.family == "image_mlp_npz" and cfg.task.npz_path == "data/digits.npz"
+    assert cfg.estimator == EstimatorConfig(kind="nres", std=0.05, num_tasks=4)
+    assert cfg.outer_optimizer.learning_rate == pytest.approx(1e-3)
+    assert cfg.outer_optimizer.clip_grad_norm is None
+    assert cfg.population.resources == {"TPU": 1.0}
+    assert isinstance(cfg.population.resources["TPU"], float)
+    assert cfg.population.mode == "async" and cfg.train.num_steps == 10
+    # Untouched fields keep their defaults.
+    assert cfg.truncation == Config().truncation
+
+
+def test_empty_file_and_empty_section_mean_defaults(tmp_path):
+    assert load_config(_write(tmp_path, "")) == Config()
+    assert load_config(_write(tmp_path, "estimator:\n", "y.yaml")) == Config()
+
+
+def test_overrides(tmp_path):
+    path = _write(tmp_path, "task:\n  family: image_mlp_npz\n  npz_path: a.npz\n")
+    cfg = load_config(
+        path,
+        [
+            "estimator.std=0.02",
+            "train.num_steps=5",
+            "task.family=fixed_dim_quadratic",
+            "task.npz_path=null",
+            "population.pin_cpus=false",
+            "outer_optimizer.learning_rate=3",
+            "outer_optimizer.clip_grad_norm=null",
+            "population.resources={TPU: 4, memory: 1.5}",
+            "name=2024",
+            "estimator={kind: nres, num_tasks: 2}",
+        ],
+    )
+    assert cfg.estimator.std == 0.02
+    assert cfg.train.num_steps == 5 and isinstance(cfg.train.num_steps, int)
+    assert cfg.task.family == "fixed_dim_quadratic" and cfg.task.npz_path is None
+    assert cfg.population.pin_cpus is False
+    assert cfg.outer_optimizer.learning_rate == 3.0
+    assert isinstance(cfg.outer_optimizer.learning_rate, float)
+    assert cfg.outer_optimizer.clip_grad_norm is None
+    assert cfg.population.resources == {"TPU": 4.0, "memory": 1.5}
+    assert cfg.name == "2024"
+    # A section override merges into the section.
+    assert cfg.estimator.kind == "nres" and cfg.estimator.num_tasks == 2
+    assert cfg.estimator.std == 0.02
+    # Later overrides win.
+    assert load_config(None, ["seed=1", "seed=2"]).seed == 2
+
+
+def test_unknown_key_in_file_names_dotted_key_and_file(tmp_path):
+    path = _write(tmp_path, "estimator:\n  stdd: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"unknown config key 'estimator.stdd' in {path}" in message
+    assert "known keys:" in message and "estimator.std" in message
+    assert "did you mean 'estimator.std'" in message
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'bogus'.*known keys: name, seed"):
+        load_config(_write(tmp_path, "bogus: 1\n", "y.yaml"))
+
+
+def test_unknown_key_in_override_names_dotted_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'estimator\.stdd' in --set"):
+        load_config(None, ["estimator.stdd=0.1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'nope'"):
+        load_config(None, ["nope.x=1"])
+    with pytest.raises(ConfigError, match=r"'seed\.x'.*not a section"):
+        load_config(None, ["seed.x=1"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(None, ["estimator.std"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("estimator.std=abc", "estimator.std: expected float, got 'abc'"),
+        ("train.num_steps=2.5", "train.num_steps: expected int, got 2.5"),
+        ("train.num_steps=true", "train.num_steps: expected int, got True"),
+        ("population.pin_cpus=1", "population.pin_cpus: expected bool, got 1"),
+        ("estimator.clip_loss_diff=abc", "estimator.clip_loss_diff: expected float or null"),
+        ("estimator.std=null", "estimator.std: expected float, got None"),
+        ("population.resources=[1]", "population.resources: expected mapping of str to float"),
+        ("population.resources={TPU: x}", "population.resources.TPU: expected float, got 'x'"),
+        ("estimator.std=.nan", "estimator.std: expected a finite float"),
+    ],
+)
+def test_wrong_type_names_field_and_expected(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert expected in str(info.value)
+    assert "--set" in str(info.value)
+
+
+def test_wrong_type_in_file_names_file(tmp_path):
+    path = _write(tmp_path, "estimator:\n  std: abc\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "estimator.std: expected float, got 'abc'" in str(info.value)
+    assert str(path) in str(info.value)
+    with pytest.raises(ConfigError, match="estimator: expected a mapping"):
+        load_config(_write(tmp_path, "estimator: 3\n", "y.yaml"))
+
+
+def test_bad_literal_lists_choices():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["estimator.kind=pez"])
+    message = str(info.value)
+    assert "estimator.kind" in message and "'pez'" in message
+    for choice in ("pes", "nres", "full_es", "truncated_es", "truncated_grad"):
+        assert repr(choice) in message
+    with pytest.raises(ConfigError, match=r"population\.mode: expected one of 'sync', 'async'"):
+        config_from_dict({"population": {"mode": "on"}})
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("estimator.std=0", "estimator.std: must be > 0"),
+        ("estimator.std=-0.1", "estimator.std: must be > 0"),
+        ("estimator.num_tasks=0", "estimator.num_tasks: must be > 0"),
+        ("estimator.clip_loss_diff=-1", "estimator.clip_loss_diff: must be > 0"),
+        ("estimator.random_initial_iteration_offset=-1", "random_initial_iteration_offset"),
+        ("task.dim=0", "task.dim: must be > 0"),
+        ("truncation.max_length=5", "truncation.max_length: must be >= truncation.min_length"),
+        ("learned_optimizer.initial_momentum=1.0", "learned_optimizer.initial_momentum"),
+        ("outer_optimizer.learning_rate=0", "outer_optimizer.learning_rate: must be > 0"),
+        ("outer_optimizer.weight_decay=-1", "outer_optimizer.weight_decay: must be >= 0"),
+        ("population.num_actors=0", "population.num_actors: must be > 0"),
+        ("population.max_staleness=-1", "population.max_staleness: must be >= 0"),
+        ("population.resources={TPU: -1}", "population.resources.TPU: must be >= 0"),
+        ("train.keep_checkpoints=0", "train.keep_checkpoints: must be > 0"),
+        ("eval.num_steps=0", "eval.num_steps: must be > 0"),
+        ("name=a/b", "name: must be a non-empty directory name"),
+    ],
+)
+def test_range_errors_name_field(override, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert field in str(info.value)
+
+
+def test_range_checks_apply_to_direct_construction():
+    with pytest.raises(ConfigError, match=r"estimator\.std: must be > 0"):
+        Config(estimator=EstimatorConfig(std=0.0))
+    with pytest.raises(ConfigError, match=r"train\.num_steps"):
+        dataclasses.replace(Config(), train=dataclasses.replace(Config().train, num_steps=0))
+
+
+def test_npz_family_requires_npz_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"task\.npz_path.*required.*image_mlp_npz"):
+        load_config(None, ["task.family=image_mlp_npz"])
+    path = _write(tmp_path, "task:\n  family: image_mlp_npz\n")
+    with pytest.raises(ConfigError, match=rf"task\.npz_path.*{re.escape(path.name)}"):
+        load_config(path)
+    assert load_config(path, ["task.npz_path=d.npz"]).task.npz_path == "d.npz"
+
+
+def test_round_trip_dict_config_dict(tmp_path):
+    cfg = load_config(
+        None, ["population.resources={TPU: 2}", "estimator.clip_loss_diff=0.5", "name=r"]
+    )
+    d = config_to_dict(cfg)
+    assert isinstance(d["estimator"], dict)
+    assert config_from_dict(d) == cfg
+    # Through YAML and JSON text as well (checkpoints store it as JSON).
+    assert config_from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
+    assert config_from_dict(json.loads(json.dumps(d))) == cfg
+    assert config_to_dict(config_from_dict(d)) == d
+    path = _write(tmp_path, config_to_yaml(cfg), "resolved.yaml")
+    assert load_config(path) == cfg
+
+
+def test_unreadable_or_non_mapping_yaml_names_file(tmp_path):
+    path = _write(tmp_path, "- a\n- b\n", "list.yaml")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}.*mapping.*list"):
+        load_config(path)
+    path = _write(tmp_path, "3\n", "scalar.yaml")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}.*mapping"):
+        load_config(path)
+    path = _write(tmp_path, "a: [1, 2\n", "broken.yaml")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}.*not valid YAML"):
+        load_config(path)
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match=rf"cannot read config file {re.escape(str(missing))}"):
+        load_config(missing)
+    with pytest.raises(ConfigError, match=rf"cannot read config file {re.escape(str(tmp_path))}"):
+        load_config(tmp_path)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(binary))}"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="config: expected a mapping"):
+        config_from_dict([1, 2])  # type: ignore[arg-type]
