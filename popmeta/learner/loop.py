@@ -97,7 +97,7 @@ def train(
     tcfg = config.train
     population = population_factory(config)
     summaries = Summaries(run_dir)
-    progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every, stream)
+    progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every)
     meta_losses: list[float] = []
     interrupted = False
     failures = 0

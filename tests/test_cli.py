@@ -1,0 +1,157 @@
+"""The real ``popmeta`` command: train, resume, interrupt, validate, bad input."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from popmeta.learner.checkpoints import list_checkpoints, read_checkpoint_metadata
+from tests.events import read_scalars
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = [
+    "--set",
+    "estimator.num_tasks=4",
+    "--set",
+    "truncation.length=30",
+    "--set",
+    "estimator.random_initial_iteration_offset=30",
+    "--set",
+    "eval.num_tasks=8",
+    "--set",
+    "eval.num_steps=30",
+    "--set",
+    "train.summary_every=5",
+    "--set",
+    "train.log_every=10",
+]
+
+
+def popmeta(*args, tmp_path, timeout=240, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "popmeta.cli", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+def test_train_meta_learns_writes_events_and_checkpoints_then_resumes(tmp_path):
+    config = str(REPO / "configs" / "quickstart.yaml")
+    args = [
+        "train",
+        config,
+        *SMALL,
+        "--set",
+        "name=cli",
+        "--set",
+        "train.num_steps=400",
+        "--set",
+        "train.checkpoint_every=100",
+    ]
+    result = popmeta(*args, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "step 400/400" in result.stderr
+    ratio = float(re.search(r"reaches ([\d.]+)x lower", result.stdout).group(1))
+    assert ratio > 1.5, result.stdout  # clearly better than its untrained self
+
+    run_dir = tmp_path / "runs" / "cli"
+    assert (run_dir / "config.yaml").exists()
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    assert [int(p.stem.split("_")[1]) for p in checkpoints] == [200, 300, 400]
+    assert read_checkpoint_metadata(checkpoints[-1])["config"]["train"]["num_steps"] == 400
+
+    scalars = read_scalars(run_dir)
+    for tag in (
+        "meta_loss",
+        "grad_norm",
+        "update_norm",
+        "param_norm",
+        "learner_update_time",
+        "estimates_per_s",
+        "inner_steps_per_s",
+        "rejected_nonfinite",
+        "live_actors",
+    ):
+        assert tag in scalars, tag
+    steps = [s for s, _ in scalars["meta_loss"]]
+    assert steps == list(range(5, 401, 5))
+    assert all(np.isfinite(v) and v > 0 for _, v in scalars["meta_loss"])
+    assert all(v == 2 for _, v in scalars["live_actors"])
+
+    resumed = popmeta(*args[:-4], "--set", "train.num_steps=420", tmp_path=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 400" in resumed.stdout and "step 420/420" in resumed.stderr
+
+
+def test_ctrl_c_saves_a_checkpoint_and_closes_the_run(tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "popmeta.cli",
+            "train",
+            *SMALL,
+            "--set",
+            "name=stop",
+            "--set",
+            "train.num_steps=100000",
+            "--set",
+            "train.log_every=1",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        for line in proc.stderr:
+            if line.startswith("step 20/") or time.time() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted" in out
+    checkpoints = list_checkpoints(tmp_path / "runs" / "stop" / "checkpoints")
+    assert len(checkpoints) == 1 and int(checkpoints[0].stem.split("_")[1]) >= 20
+    assert "meta_loss" in read_scalars(tmp_path / "runs" / "stop")
+
+
+def test_validate_prints_the_resolved_config(tmp_path):
+    result = popmeta("validate", "--set", "estimator.std=0.05", tmp_path=tmp_path)
+    assert result.returncode == 0
+    assert re.search(r"std: 0\.05", result.stdout)
+    assert "num_actors: 1" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("estimator.stdd=0.1", "estimator.stdd"),
+        ("estimator.std=abc", "estimator.std"),
+        ("estimator.kind=sgd", "estimator.kind"),
+        ("train.num_steps=-3", "train.num_steps"),
+    ],
+)
+def test_bad_overrides_fail_before_anything_starts(tmp_path, override, message):
+    result = popmeta("train", "--set", override, tmp_path=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_config_file_is_named(tmp_path):
+    result = popmeta("train", "nope.yaml", tmp_path=tmp_path, timeout=60)
+    assert result.returncode == 2 and "nope.yaml" in result.stderr
