@@ -234,9 +234,19 @@ class PopulationConfig:
       num_cpus: CPUs declared per actor.
       num_gpus: GPUs declared per actor.
       resources: custom Ray resources per actor (e.g. ``{TPU: 4}``).
-      pin_cpus: pin each actor's threads to its CPUs.
-      address: Ray address to join (``auto``), or null for an embedded instance.
-      engine: ``local`` (no Ray) or ``ray``.
+      pin_cpus: pin each actor's threads to a distinct CPU core of its node
+        (CPU-only nodes), since XLA otherwise spreads every actor over all cores.
+      address: Ray address to join (``auto``), or null for an embedded instance
+        (``RAY_ADDRESS`` in the environment also joins a cluster).
+      engine: ``ray`` (actors) or ``local`` (every worker in the driver, no Ray).
+      one_actor_per_node_with: if set, ignore ``num_actors`` and start one actor
+        on every node that carries this resource (e.g. ``TPU`` or ``GPU``).
+      calls_in_flight: estimate calls queued per actor in async mode, so an
+        actor never idles waiting for the learner.
+      env: environment variables for the actors (e.g. ``XLA_FLAGS``).
+      shard_tasks: an actor that sees several local devices shards its tasks over them.
+      call_timeout_s: longest wait for one estimate before the actor is declared lost.
+      max_actor_restarts: dead actors replaced over the run before it gives up.
     """
 
     num_actors: int = 1
@@ -248,11 +258,21 @@ class PopulationConfig:
     resources: dict[str, float] = dataclasses.field(default_factory=dict)
     pin_cpus: bool = True
     address: str | None = None
-    engine: Literal["local", "ray"] = "local"
+    engine: Literal["local", "ray"] = "ray"
+    one_actor_per_node_with: str | None = None
+    calls_in_flight: int = 2
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    shard_tasks: bool = True
+    call_timeout_s: float = 600.0
+    max_actor_restarts: int = 10
 
     def _problems(self) -> Iterator[_Problem]:
-        yield from _positive(self, "num_actors", "batch_size")
-        yield from _non_negative(self, "max_staleness", "num_cpus", "num_gpus")
+        yield from _positive(self, "num_actors", "batch_size", "calls_in_flight", "call_timeout_s")
+        yield from _non_negative(
+            self, "max_staleness", "num_cpus", "num_gpus", "max_actor_restarts"
+        )
+        if self.one_actor_per_node_with is not None and not self.one_actor_per_node_with:
+            yield "one_actor_per_node_with", "must be a resource name or null"
         for name, amount in self.resources.items():
             if not name:
                 yield "resources", "resource names must be non-empty"

@@ -36,7 +36,7 @@ def test_defaults():
     assert cfg.estimator.kind == "pes" and cfg.estimator.std == 0.01
     assert cfg.estimator.sign_delta_loss_scalar is None
     assert cfg.outer_optimizer.name == "adam" and cfg.outer_optimizer.clip_grad_norm == 3.0
-    assert cfg.population.resources == {} and cfg.population.engine == "local"
+    assert cfg.population.resources == {} and cfg.population.engine == "ray"
     assert cfg.train.num_steps == 200 and cfg.eval.seed == 1234
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.seed = 1  # type: ignore[misc]

@@ -182,6 +182,11 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
             theta, unroll_state, keys, data
         )
 
+    def trajectory_phase(self, unroll_state: LOptTruncatedState) -> jax.Array:
+        """Each task's position in its trajectory, iteration / length, in [0, 1]."""
+        iteration = unroll_state.inner_opt_state.iteration
+        return iteration / jnp.maximum(unroll_state.truncation_state.length, 1)
+
     # -- host data (reference-compatible path) -----------------------------------
 
     def _host_batches(self, steps: int | None, split: str) -> Any:

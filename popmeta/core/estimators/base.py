@@ -58,6 +58,13 @@ class GradientEstimator:
         """Pure, jittable estimate from one truncation."""
         raise NotImplementedError
 
+    def unroll_state(self, state: Any) -> Any:
+        """The truncated step's state inside ``state`` (the + member's, for ES), or None."""
+        members = getattr(state, "member_states", None)
+        if members is not None:
+            return jax.tree_util.tree_map(lambda x: x[0], members)
+        return getattr(state, "unroll_state", None)
+
     @functools.cached_property
     def _jitted_estimate(self):
         return jax.jit(self.estimate, donate_argnums=(1,))
