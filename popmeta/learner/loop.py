@@ -7,32 +7,24 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
 from popmeta.config import Config, config_to_dict, config_to_yaml
 from popmeta.evaluate import EvalResult, evaluate_thetas, initial_theta
-from popmeta.learner.aggregation import Estimate, aggregate
+from popmeta.learner.aggregation import aggregate
 from popmeta.learner.checkpoints import restore_latest, save_checkpoint
 from popmeta.learner.learner import Learner
 from popmeta.learner.summaries import Summaries
+from popmeta.population.base import Population
 
-__all__ = ["Population", "RunResult", "train"]
+__all__ = ["RunResult", "train"]
 
 log = logging.getLogger("popmeta")
 
 #: Consecutive rounds with no usable estimate after which the run stops.
 MAX_FAILED_ROUNDS = 20
-
-
-class Population(Protocol):
-    num_live: int
-    steps_per_estimate: int
-
-    def estimates(self, theta: Any, version: int) -> list[Estimate]: ...
-
-    def close(self) -> None: ...
 
 
 class RunResult(NamedTuple):
@@ -114,7 +106,8 @@ def train(
     try:
         while learner.version < tcfg.num_steps:
             start = time.perf_counter()
-            estimates = population.estimates(learner.theta(), learner.version)
+            gathered_round = population.gather(learner.theta(), learner.version)
+            estimates = gathered_round.estimates
             gathered = time.perf_counter()
             agg = aggregate(estimates)
             if agg.grad is None:

@@ -6,13 +6,13 @@ from typing import Any
 
 from popmeta.actors.worker import EstimatorWorker
 from popmeta.config import Config
-from popmeta.learner.aggregation import Estimate
+from popmeta.population.base import Gathered
 
 __all__ = ["LocalPopulation"]
 
 
 class LocalPopulation:
-    """``population.num_actors`` workers with ranks 0..N-1, run in rank order."""
+    """``population.num_actors`` workers with ranks 0..N-1, run in rank order (sync mode)."""
 
     def __init__(self, config: Config):
         self.workers = [
@@ -27,9 +27,9 @@ class LocalPopulation:
     def steps_per_estimate(self) -> int:
         return self.workers[0].steps_per_estimate
 
-    def estimates(self, theta: Any, version: int) -> list[Estimate]:
-        """One estimate per worker on ``theta``, in rank order."""
-        return [worker.compute(theta, version) for worker in self.workers]
+    def gather(self, theta: Any, version: int) -> Gathered:
+        estimates = [worker.compute(theta, version) for worker in self.workers]
+        return Gathered(estimates, [0] * len(estimates))
 
     def close(self) -> None:
         self.workers = []
