@@ -71,22 +71,38 @@ def test_train_meta_learns_writes_events_and_checkpoints_then_resumes(tmp_path):
     assert read_checkpoint_metadata(checkpoints[-1])["config"]["train"]["num_steps"] == 400
 
     scalars = read_scalars(run_dir)
-    for tag in (
+    tags = [
         "meta_loss",
+        "meta_loss_by_family/fixed_dim_quadratic_data",
         "grad_norm",
         "update_norm",
-        "param_norm",
+        "theta_norm",
         "learner_update_time",
         "estimates_per_s",
         "inner_steps_per_s",
+        "inner_steps_per_s_by_actor/0",
+        "inner_steps_per_s_by_actor/1",
+        "staleness_mean",
+        "staleness_max",
+        "dropped_stale",
         "rejected_nonfinite",
         "live_actors",
-    ):
+    ]
+    for tag in tags:
         assert tag in scalars, tag
-    steps = [s for s, _ in scalars["meta_loss"]]
-    assert steps == list(range(5, 401, 5))
-    assert all(np.isfinite(v) and v > 0 for _, v in scalars["meta_loss"])
-    assert all(v == 2 for _, v in scalars["live_actors"])
+    assert [s for s, _ in scalars["meta_loss"]] == list(range(5, 401, 5))
+
+    def values(tag):
+        return np.array([v for _, v in scalars[tag]])
+
+    assert np.all(np.isfinite(values("meta_loss"))) and np.all(values("meta_loss") > 0)
+    for tag in ("grad_norm", "update_norm", "theta_norm", "estimates_per_s", "inner_steps_per_s"):
+        assert np.all(values(tag) > 0), tag
+    assert np.all(values("live_actors") == 2)
+    assert np.all(values("staleness_max") == 0)  # sync: every estimate is on the current theta
+    assert np.all(values("rejected_nonfinite") == 0) and np.all(values("dropped_stale") == 0)
+    per_actor = values("inner_steps_per_s_by_actor/0") + values("inner_steps_per_s_by_actor/1")
+    assert np.all(per_actor >= values("inner_steps_per_s"))  # actors also idle while others work
 
     resumed = popmeta(*args[:-4], "--set", "train.num_steps=420", tmp_path=tmp_path)
     assert resumed.returncode == 0, resumed.stderr

@@ -16,7 +16,7 @@ from popmeta.evaluate import EvalResult, evaluate_thetas, initial_theta
 from popmeta.learner.aggregation import aggregate
 from popmeta.learner.checkpoints import restore_latest, save_checkpoint
 from popmeta.learner.learner import Learner
-from popmeta.learner.summaries import Summaries
+from popmeta.learner.summaries import RoundStats, Summaries
 from popmeta.population.base import Population
 
 __all__ = ["RunResult", "train"]
@@ -89,6 +89,7 @@ def train(
     tcfg = config.train
     population = population_factory(config)
     summaries = Summaries(run_dir)
+    stats = RoundStats(population.steps_per_estimate, config.task.family)
     progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every)
     meta_losses: list[float] = []
     interrupted = False
@@ -105,11 +106,9 @@ def train(
 
     try:
         while learner.version < tcfg.num_steps:
-            start = time.perf_counter()
-            gathered_round = population.gather(learner.theta(), learner.version)
-            estimates = gathered_round.estimates
-            gathered = time.perf_counter()
-            agg = aggregate(estimates)
+            gathered = population.gather(learner.theta(), learner.version)
+            agg = aggregate(gathered.estimates)
+            stats.add_round(gathered, agg)
             if agg.grad is None:
                 failures += 1
                 log.warning(
@@ -124,22 +123,13 @@ def train(
                     )
                 continue
             failures = 0
+            update_start = time.perf_counter()
             norms = learner.apply(agg)
-            done = time.perf_counter()
+            stats.add_update(time.perf_counter() - update_start, norms)
             step = learner.version
             meta_losses.append(agg.mean_loss)
-            elapsed = done - start
-            values = {
-                "meta_loss": agg.mean_loss,
-                **norms,
-                "learner_update_time": done - gathered,
-                "estimates_per_s": len(estimates) / elapsed,
-                "inner_steps_per_s": len(estimates) * population.steps_per_estimate / elapsed,
-                "rejected_nonfinite": agg.num_rejected_nonfinite,
-                "live_actors": population.num_live,
-            }
             if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
-                summaries.scalars(step, values)
+                stats.write(summaries, step, population.num_live)
             if step % tcfg.checkpoint_every == 0:
                 checkpoint()
             progress.update(
@@ -147,7 +137,7 @@ def train(
                 tcfg.num_steps,
                 {
                     "meta_loss": f"{agg.mean_loss:.4f}",
-                    "est/s": f"{values['estimates_per_s']:.1f}",
+                    "est/s": f"{stats.last_estimates_per_s:.1f}",
                     "actors": str(population.num_live),
                 },
             )

@@ -1,24 +1,108 @@
-"""TensorBoard summaries written with tensorboardX."""
+"""TensorBoard summaries written with tensorboardX, and the statistics behind them."""
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 from tensorboardX import SummaryWriter
 
-__all__ = ["Summaries"]
+from popmeta.learner.aggregation import Aggregate
+from popmeta.population.base import Gathered
+
+__all__ = ["RoundStats", "Summaries"]
 
 
 class Summaries:
-    """Scalar summaries under ``run_dir``; ``close()`` drains the writer's queue."""
+    """Summaries under ``run_dir``; ``close()`` drains the writer's queue."""
 
     def __init__(self, run_dir: str | Path, flush_secs: int = 5):
         self._writer = SummaryWriter(str(run_dir), flush_secs=flush_secs)
 
-    def scalars(self, step: int, values: Mapping[str, float], prefix: str = "") -> None:
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
         for name, value in values.items():
-            self._writer.add_scalar(f"{prefix}{name}", float(value), step)
+            self._writer.add_scalar(name, float(value), step)
+
+    def histogram(self, step: int, name: str, values: np.ndarray) -> None:
+        self._writer.add_histogram(name, np.asarray(values, np.float64), step)
 
     def close(self) -> None:
         self._writer.close()
+
+
+class RoundStats:
+    """Accumulates what happens between two summary writes.
+
+    Rates (estimates/s, inner-steps/s) are measured over the whole window, so
+    they include gathering, aggregation and the update; counts of dropped,
+    rejected and restarted are totals since the run (re)started.
+    """
+
+    def __init__(self, steps_per_estimate: int, task_family: str):
+        self.steps_per_estimate = steps_per_estimate
+        self.task_family = task_family
+        self.dropped_stale = 0
+        self.rejected_nonfinite = 0
+        self.restarts = 0
+        self.last_estimates_per_s = 0.0
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._window_start = time.perf_counter()
+        self._num_estimates = 0
+        self._losses: list[float] = []
+        self._staleness: list[int] = []
+        self._update_times: list[float] = []
+        self._norms: dict[str, list[float]] = defaultdict(list)
+        self._actor_time: dict[int, float] = defaultdict(float)
+        self._actor_count: dict[int, int] = defaultdict(int)
+
+    def add_round(self, gathered: Gathered, agg: Aggregate) -> None:
+        self._num_estimates += len(gathered.estimates)
+        self._staleness.extend(gathered.staleness)
+        self.dropped_stale += gathered.dropped_stale
+        self.restarts += gathered.restarted
+        self.rejected_nonfinite += agg.num_rejected_nonfinite
+        if agg.grad is not None:
+            self._losses.append(agg.mean_loss)
+        for estimate in gathered.estimates:
+            self._actor_time[estimate.worker] += estimate.metrics.get("compute_time_s", 0.0)
+            self._actor_count[estimate.worker] += 1
+
+    def add_update(self, seconds: float, norms: Mapping[str, float]) -> None:
+        self._update_times.append(seconds)
+        for name, value in norms.items():
+            self._norms[name].append(value)
+
+    def write(self, summaries: Summaries, step: int, live_actors: int) -> None:
+        elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        self.last_estimates_per_s = self._num_estimates / elapsed
+        values = {
+            "meta_loss": np.mean(self._losses) if self._losses else float("nan"),
+            f"meta_loss_by_family/{self.task_family}": (
+                np.mean(self._losses) if self._losses else float("nan")
+            ),
+            "learner_update_time": np.mean(self._update_times) if self._update_times else 0.0,
+            "estimates_per_s": self.last_estimates_per_s,
+            "inner_steps_per_s": self.last_estimates_per_s * self.steps_per_estimate,
+            "dropped_stale": self.dropped_stale,
+            "rejected_nonfinite": self.rejected_nonfinite,
+            "actor_restarts": self.restarts,
+            "live_actors": live_actors,
+        }
+        names = {"param_norm": "theta_norm"}
+        for name, series in self._norms.items():
+            values[names.get(name, name)] = np.mean(series)
+        if self._staleness:
+            values["staleness_mean"] = np.mean(self._staleness)
+            values["staleness_max"] = np.max(self._staleness)
+            summaries.histogram(step, "staleness", np.asarray(self._staleness))
+        for worker, seconds in self._actor_time.items():
+            if seconds > 0:
+                rate = self._actor_count[worker] * self.steps_per_estimate / seconds
+                values[f"inner_steps_per_s_by_actor/{worker}"] = rate
+        summaries.scalars(step, values)
+        self._reset_window()
