@@ -36,6 +36,9 @@ class TruncatedGrad(GradientEstimator):
             self.truncated_step.init_step_state(theta, outer_state, key)
         )
 
+    def state_task_axes(self, state):
+        return TruncatedGradWorkerState(jax.tree_util.tree_map(lambda _: 0, state.unroll_state))
+
     def estimate(self, theta, state, key, data=None, outer_state=None):
         keys = jax.random.split(key, self.trunc_length)
 
