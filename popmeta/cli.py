@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import sys
 
 from popmeta.config import ConfigError, config_to_yaml, load_config
@@ -35,21 +37,44 @@ def _parser() -> argparse.ArgumentParser:
         )
         return sub
 
-    with_config("train", "meta-train theta and evaluate the result")
+    train = with_config("train", "meta-train theta and evaluate the result")
+    train.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join ('auto' inside `ray submit` jobs); default: RAY_ADDRESS "
+        "if set, else an embedded local Ray instance",
+    )
     with_config("validate", "check a config and print it fully resolved")
+    evaluate = commands.add_parser(
+        "eval", help="meta-test a checkpoint against tuned hand-designed optimizers"
+    )
+    evaluate.add_argument("checkpoint", help="a ckpt_*.npz file written by `popmeta train`")
+    evaluate.add_argument("--out", default=None, help="output folder (default: RUN/eval)")
     return parser
 
 
 def _train(config) -> int:
     from popmeta.learner.loop import train
-    from popmeta.population.local import LocalPopulation
 
+    pop = config.population
     print(
         f"popmeta: training {config.name!r}: {config.estimator.kind} + "
         f"{config.learned_optimizer.kind} on {config.task.family}, "
-        f"{config.population.num_actors} worker(s), {config.train.num_steps} steps"
+        f"{pop.num_actors} {pop.mode} worker(s) on the {pop.engine} engine, "
+        f"{config.train.num_steps} steps"
     )
-    result = train(config, LocalPopulation)
+    if pop.engine == "local":
+        from popmeta.population.local import LocalPopulation
+
+        result = train(config, LocalPopulation)
+    else:
+        from popmeta.population.ray_population import RayPopulation
+        from popmeta.population.ray_runtime import start_ray
+
+        # Enough logical CPUs for every actor even where the machine has fewer cores.
+        num_cpus = max(os.cpu_count() or 1, math.ceil(pop.num_actors * pop.num_cpus))
+        with start_ray(pop.address, num_cpus=num_cpus):
+            result = train(config, RayPopulation)
     print(f"\nrun directory: {result.run_dir} (TensorBoard: tensorboard --logdir {result.run_dir})")
     print(
         f"meta-loss: {result.meta_loss_start:.4f} at start -> {result.meta_loss_end:.4f} at end "
@@ -67,12 +92,31 @@ def _train(config) -> int:
     return 130 if result.interrupted else 0
 
 
+def _eval(checkpoint: str, out: str | None) -> int:
+    from popmeta.evaluate import evaluate_checkpoint
+
+    try:
+        results = evaluate_checkpoint(checkpoint, out)
+    except (OSError, ValueError) as err:
+        print(f"popmeta: {err}", file=sys.stderr)
+        return 2
+    print(f"{'optimizer':<22} {'mean train loss':>16} {'final test loss':>16}")
+    for name, r in sorted(results.items(), key=lambda kv: kv[1].mean_train_loss):
+        print(f"{name:<22} {r.mean_train_loss:>16.4f} {r.final_eval_loss:>16.4f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("popmeta").setLevel(logging.INFO)
+    if args.command == "eval":
+        return _eval(args.checkpoint, args.out)
     try:
-        config = load_config(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if getattr(args, "address", None):
+            overrides.append(f"population.address={args.address}")
+        config = load_config(args.config, overrides)
     except (ConfigError, OSError) as err:
         print(f"popmeta: {err}", file=sys.stderr)
         return 2

@@ -276,6 +276,8 @@ class PopulationConfig:
         for name, amount in self.resources.items():
             if not name:
                 yield "resources", "resource names must be non-empty"
+            elif name in ("CPU", "GPU"):
+                yield f"resources.{name}", f"use population.num_{name.lower()}s for {name}s"
             elif not amount >= 0:
                 yield f"resources.{name}", f"must be >= 0, got {amount!r}"
         if self.address is not None and not self.address.strip():

@@ -108,6 +108,15 @@ def test_train_meta_learns_writes_events_and_checkpoints_then_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 400" in resumed.stdout and "step 420/420" in resumed.stderr
 
+    newest = list_checkpoints(run_dir / "checkpoints")[-1]
+    evaluated = popmeta("eval", str(newest), tmp_path=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr
+    rows = dict(re.findall(r"^(\S+).*?\s([\d.]+)\s+[\d.]+$", evaluated.stdout, re.M))
+    assert {"learned", "untrained", "adam", "sgdm", "sgd"} <= set(rows)
+    assert float(rows["learned"]) < float(rows["untrained"])
+    assert (run_dir / "eval" / "curves.png").stat().st_size > 10_000
+    assert len(read_scalars(run_dir / "eval" / "adam")["eval/train_loss"]) == 30
+
 
 def test_ctrl_c_saves_a_checkpoint_and_closes_the_run(tmp_path):
     proc = subprocess.Popen(

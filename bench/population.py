@@ -1,0 +1,207 @@
+"""Population overhead: the Ray engine against the single-process engine, side by side.
+
+Run: ``python bench/population.py [--seconds 8]``
+
+1. Inner-steps/s of the single-process engine and of the Ray engine with one
+   actor on the same work, for the estimator benchmark's configurations (c)
+   (PES + MLPLOpt on the digits MLP, ~0.1 s per estimate) and (a) (PES +
+   LearnableSGDM on a quadratic, ~1 ms per estimate: less than one Ray round
+   trip, so the Ray engine amortises it with several truncations per call and
+   pipelined async calls).
+2. Weak scaling: 2 actors against 1 on this 2-core machine, cores pinned.
+3. The learner's capacity: updates/s and estimates/s it absorbs for theta of
+   1e3, 1e5 and 1e6 floats when estimates arrive instantly (aggregation, the
+   jitted donating Adam step, the host copy of theta and its one ``ray.put``).
+
+Every rate is measured after compilation and warm-up, over the whole learner
+loop (gather, aggregate, update).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import jax
+import numpy as np
+import optax
+import ray
+from popmeta.population.ray_population import RayPopulation
+
+from popmeta.config import load_config
+from popmeta.learner.aggregation import Estimate, aggregate
+from popmeta.learner.learner import Learner
+from popmeta.learner.train_state import TrainState, build_apply_estimate_fn
+from popmeta.population.local import LocalPopulation
+
+WORK = {
+    "c": [
+        "task.family=image_mlp_digits",
+        "learned_optimizer.kind=mlp",
+        "estimator.num_tasks=8",
+        "estimator.trunc_length=10",
+        "truncation.length=50",
+        "estimator.random_initial_iteration_offset=50",
+    ],
+    "a": [
+        "task.family=fixed_dim_quadratic_data",
+        "learned_optimizer.kind=learnable_sgdm",
+        "estimator.num_tasks=8",
+        "estimator.trunc_length=10",
+        "truncation.length=50",
+        "estimator.random_initial_iteration_offset=50",
+    ],
+}
+
+
+def _config(work: str, *extra: str):
+    return load_config(None, [*WORK[work], "population.pin_cpus=true", *extra])
+
+
+def inner_steps_per_s(config, population_cls, seconds: float) -> float:
+    """Learner-loop throughput: gather, aggregate, update, for ``seconds`` after warm-up."""
+    learner = Learner(config)
+    population = population_cls(config)
+    try:
+        for _ in range(3):
+            learner.apply(aggregate(population.gather(learner.theta(), learner.version).estimates))
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            gathered = population.gather(learner.theta(), learner.version)
+            learner.apply(aggregate(gathered.estimates))
+            count += len(gathered.estimates)
+        elapsed = time.perf_counter() - start
+        return count * population.steps_per_estimate / elapsed
+    finally:
+        population.close()
+
+
+def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float, float]:
+    """Updates/s and estimates/s of the learner alone, for a theta of ``size`` floats."""
+    theta = {"w": np.zeros(size, np.float32)}
+    state = TrainState.initial_state(
+        jax.tree_util.tree_map(jax.numpy.asarray, theta), optax.adam(1e-3), jax.random.key(0)
+    )
+    apply = build_apply_estimate_fn(donate_params_and_state=True)
+    rng = np.random.default_rng(0)
+    estimates = [
+        Estimate({"w": rng.normal(size=size).astype(np.float32)}, 1.0, 8.0, 0, i, {})
+        for i in range(batch_size)
+    ]
+
+    def update():
+        nonlocal state
+        state, _ = apply(state, aggregate(estimates).grad)
+        ray.put(jax.tree_util.tree_map(np.asarray, state.params))
+
+    for _ in range(3):
+        update()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        update()
+        count += 1
+    rate = count / (time.perf_counter() - start)
+    return rate, rate * batch_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--truncations-per-call", type=int, default=8)
+    args = parser.parse_args()
+    sec = args.seconds
+    k = args.truncations_per_call
+
+    with tempfile.TemporaryDirectory(prefix="popmeta-bench-") as tmp:
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=512 * 2**20,
+            _temp_dir=tmp,
+        )
+        try:
+            print("1. single-process engine vs Ray engine, 1 worker, same work (inner-steps/s)")
+            print(f"   {'work':<58} {'single':>10} {'ray':>10} {'ratio':>6} {'target':>6}")
+            rows = [
+                ("(c) PES + MLPLOpt, digits MLP, sync", _config("c"), _config("c"), 0.9),
+                (
+                    f"(a) PES + LearnableSGDM, quadratic, sync, {k} trunc/call",
+                    _config("a", f"estimator.truncations_per_call={k}"),
+                    _config("a", f"estimator.truncations_per_call={k}"),
+                    0.8,
+                ),
+                (
+                    f"(a) same, Ray async pipelined ({k} trunc/call, 2 in flight)",
+                    _config("a", f"estimator.truncations_per_call={k}"),
+                    _config(
+                        "a",
+                        f"estimator.truncations_per_call={k}",
+                        "population.mode=async",
+                        "population.calls_in_flight=2",
+                        "population.max_staleness=2",
+                    ),
+                    0.8,
+                ),
+                (
+                    "(a) 1 truncation per call, sync (the unamortised case)",
+                    _config("a"),
+                    _config("a"),
+                    None,
+                ),
+            ]
+            for label, local_cfg, ray_cfg, target in rows:
+                single = inner_steps_per_s(local_cfg, LocalPopulation, sec)
+                distributed = inner_steps_per_s(ray_cfg, RayPopulation, sec)
+                tgt = "-" if target is None else f"{target:.1f}x"
+                print(
+                    f"   {label:<58} {single:>10,.0f} {distributed:>10,.0f} "
+                    f"{distributed / single:>5.2f}x {tgt:>6}"
+                )
+
+            print(
+                "\n2. weak scaling on this 2-core machine, Ray engine, cores pinned (inner-steps/s)"
+            )
+            print(f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6}")
+            scaling = [
+                ("(c) PES + MLPLOpt, digits MLP, async", "c", []),
+                (
+                    f"(a) PES + LearnableSGDM, quadratic, async, {k} trunc/call",
+                    "a",
+                    [f"estimator.truncations_per_call={k}"],
+                ),
+            ]
+            for label, work, extra in scaling:
+                rates = []
+                for n in (1, 2):
+                    cfg = _config(
+                        work,
+                        *extra,
+                        "population.mode=async",
+                        f"population.num_actors={n}",
+                        f"population.batch_size={n}",
+                    )
+                    rates.append(inner_steps_per_s(cfg, RayPopulation, sec))
+                print(
+                    f"   {label:<58} {rates[0]:>10,.0f} {rates[1]:>10,.0f} "
+                    f"{rates[1] / rates[0]:>5.2f}x"
+                )
+
+            print("\n3. learner capacity, estimates arriving instantly (batch of 4 per update)")
+            print(f"   {'theta floats':>12} {'updates/s':>10} {'estimates/s':>12}")
+            for size in (1_000, 100_000, 1_000_000):
+                updates, estimates = learner_capacity(size, 4, sec / 2)
+                print(f"   {size:>12,} {updates:>10,.1f} {estimates:>12,.1f}")
+        finally:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Starting Ray for a run: an embedded local instance by default, or joining a cluster.
+
+``start_ray(None)`` (and no ``RAY_ADDRESS`` in the environment) starts an
+embedded single-node instance that lives as long as the run: every Ray
+process binds and talks to 127.0.0.1 only, there is no dashboard, no usage
+reporting, no auth token written to ``~/.ray`` and no Ray log lines on the
+user's terminal. ``start_ray("auto")`` (or ``RAY_ADDRESS``) joins an existing
+cluster, which is how ``ray submit`` / ``ray job submit`` runs work. If Ray is
+already initialised in this process (a test session, a notebook, a caller's
+own ``ray.init``), that instance is reused and left running.
+
+Example::
+
+    with start_ray(config.population.address):
+        train(config, RayPopulation)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from types import TracebackType
+
+__all__ = ["LOOPBACK_ENV", "RayHandle", "apply_loopback_env", "quiet_fork", "start_ray"]
+
+#: Environment that keeps an embedded Ray on loopback and quiet (see RAY_NOTES).
+#: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray take 127.0.0.1 as the node
+#: address (``--node-ip-address`` alone is silently overridden); Ray 2.60 would
+#: otherwise enable token auth and write ``~/.ray/auth_token``.
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def apply_loopback_env() -> None:
+    """Puts :data:`LOOPBACK_ENV` into ``os.environ`` (inherited by every Ray process).
+
+    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when ``ray`` is first
+    imported. If it was imported before this call, the constant it derived is
+    corrected as well, so the driver also picks 127.0.0.1 as its node address.
+    """
+    os.environ.update(LOOPBACK_ENV)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+class RayHandle:
+    """The Ray instance a run uses; a context manager.
+
+    Attributes:
+      address: the GCS address of the instance.
+      started: True if :func:`start_ray` started an embedded instance, which
+        :meth:`shutdown` then stops. Joined clusters and instances that were
+        already running are never shut down by this handle.
+      joined: True if it joined an existing cluster by address.
+    """
+
+    def __init__(self, address: str, started: bool, joined: bool):
+        self.address = address
+        self.started = started
+        self.joined = joined
+        self._closed = False
+
+    def shutdown(self) -> None:
+        """Stops the embedded instance this handle started (idempotent); otherwise does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.started:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+
+    def __enter__(self) -> RayHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        kind = "embedded" if self.started else ("joined" if self.joined else "reused")
+        return f"RayHandle({kind}, address={self.address!r})"
+
+
+def start_ray(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    temp_dir: str | None = None,
+    object_store_memory: int | None = None,
+) -> RayHandle:
+    """Initialises Ray for a run, or reuses the instance already initialised.
+
+    Args:
+      address: ``None`` or ``"local"`` for an embedded instance (``None`` defers
+        to ``RAY_ADDRESS`` when that is set), ``"auto"`` or ``"host:port"`` to
+        join a running cluster.
+      num_cpus: logical CPUs of the embedded instance (default: detected).
+        Ignored when joining a cluster.
+      temp_dir: root of the embedded instance's session files (default Ray's).
+        Keep it short: Ray puts Unix sockets under it.
+      object_store_memory: object store size of the embedded instance, bytes.
+
+    Returns:
+      A :class:`RayHandle`; ``shutdown()`` (or leaving the ``with`` block)
+      stops the instance only if this call started it.
+    """
+    # Everything Ray-specific is imported here, after the environment is set:
+    # Ray reads some of these variables at import time.
+    if address is None:
+        address = os.environ.get("RAY_ADDRESS") or None
+    embedded = address is None or address == "local"
+    if embedded:
+        apply_loopback_env()
+    else:
+        # A joined cluster decides its own network and auth settings; only
+        # usage reporting is turned off unless the user asked for it.
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+    import ray
+
+    if ray.is_initialized():
+        return RayHandle(_gcs_address(), started=False, joined=False)
+
+    common = {
+        "log_to_driver": False,
+        "logging_level": logging.WARNING,
+    }
+    if embedded:
+        # address="local" (never a bare ray.init()): a bare init also reads
+        # RAY_ADDRESS and a leftover current-cluster file of a crashed run,
+        # and would then hang trying to reach a dead cluster.
+        with quiet_fork():
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                object_store_memory=object_store_memory,
+                include_dashboard=False,
+                _temp_dir=temp_dir,
+                **common,
+            )
+        return RayHandle(_gcs_address(), started=True, joined=False)
+    ray.init(address=address, **common)
+    return RayHandle(_gcs_address(), started=False, joined=True)
+
+
+@contextlib.contextmanager
+def quiet_fork() -> Iterator[None]:
+    """Silences Python's warning about forking while JAX runs threads, for Ray's start.
+
+    Ray starts its processes with fork + exec: the child replaces itself at
+    once, so threads of the parent (JAX's, if the caller already ran JAX)
+    cannot deadlock it; the warning would only be noise on the terminal.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning
+        )
+        yield
+
+
+def _gcs_address() -> str:
+    import ray
+
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # an older/odd context without the attribute: the address is cosmetic
+        return "unknown"

@@ -1,0 +1,85 @@
+"""Population tests; shared helpers for the Ray population tests live here.
+
+Each test uses real Ray processes and a tiny problem (a few quadratic tasks,
+trajectories of 20 steps, truncations of 5, a learnable SGDM), so an actor is
+ready and compiled within seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from popmeta.config import Config, config_from_dict
+from popmeta.learner.aggregation import aggregate
+from popmeta.learner.learner import Learner
+from popmeta.population.base import Gathered, Population
+from popmeta.population.ray_runtime import quiet_fork
+
+__all__ = ["CALL_TIMEOUT_S", "quiet_fork", "run_updates", "tiny_config", "tree_bytes"]
+
+#: Longest wait for one estimate in tests: far above a tiny call (ms) plus a
+#: first compile (seconds), far below the pytest timeouts.
+CALL_TIMEOUT_S = 60.0
+
+
+def tiny_config(
+    *,
+    num_tasks: int = 2,
+    seed: int = 0,
+    run_dir: str = "runs",
+    num_steps: int = 4,
+    **population: Any,
+) -> Config:
+    """A config whose actors start and compile in seconds; ``population`` overrides."""
+    return config_from_dict(
+        {
+            "name": "test",
+            "seed": seed,
+            "run_dir": run_dir,
+            "task": {"family": "fixed_dim_quadratic", "dim": 4},
+            "learned_optimizer": {"kind": "learnable_sgdm"},
+            "truncation": {"schedule": "constant", "length": 20},
+            "estimator": {
+                "kind": "pes",
+                "num_tasks": num_tasks,
+                "trunc_length": 5,
+                "std": 0.01,
+                "random_initial_iteration_offset": 20,
+            },
+            "outer_optimizer": {"name": "adam", "learning_rate": 0.01},
+            "population": {
+                "engine": "ray",
+                "num_actors": 2,
+                "call_timeout_s": CALL_TIMEOUT_S,
+                **population,
+            },
+            "train": {"num_steps": num_steps, "checkpoint_every": 1000, "summary_every": 1000},
+            "eval": {"num_tasks": 2, "num_steps": 5},
+        },
+        source="test",
+    )
+
+
+def run_updates(
+    config: Config,
+    population: Population,
+    steps: int,
+    on_gather: Callable[[Gathered], None] | None = None,
+) -> Any:
+    """``steps`` learner updates exactly as the training loop does them; returns theta."""
+    learner = Learner(config)
+    for _ in range(steps):
+        gathered = population.gather(learner.theta(), learner.version)
+        if on_gather is not None:
+            on_gather(gathered)
+        learner.apply(aggregate(gathered.estimates))
+    return learner.theta()
+
+
+def tree_bytes(tree: Any) -> list[bytes]:
+    """The exact bits of every leaf, for bitwise comparisons."""
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(tree)]

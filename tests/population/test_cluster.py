@@ -1,0 +1,175 @@
+"""Resources and multi-host placement on a real multi-node Ray cluster.
+
+``ray.cluster_utils.Cluster`` runs a head and several worker nodes (each its
+own raylet and object store) on this machine, all on 127.0.0.1, with fast
+health checks so that a removed node is noticed in about a second. The
+session's embedded instance is stopped for this module (``no_session_ray``):
+one process can only be connected to one Ray cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from popmeta.learner.aggregation import aggregate
+from popmeta.learner.learner import Learner
+from popmeta.population.ray_population import RayPopulation
+from tests.population import CALL_TIMEOUT_S, quiet_fork, run_updates, tiny_config
+
+pytestmark = pytest.mark.timeout(240)
+
+#: A removed node's actors fail with ActorDiedError in ~1.4 s instead of ~14 s (RAY_NOTES).
+FAST_HEALTH_CHECKS = {
+    "health_check_period_ms": 500,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 500,
+    "health_check_initial_delay_ms": 0,
+}
+NODE_STORE_BYTES = 80 * 2**20
+
+
+class Nodes:
+    """The module's cluster and its named worker nodes."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.by_name: dict[str, object] = {}
+
+    def add(self, name: str, num_cpus: int, resources: dict[str, float]) -> str:
+        with quiet_fork():
+            node = self.cluster.add_node(
+                num_cpus=num_cpus, resources=resources, object_store_memory=NODE_STORE_BYTES
+            )
+        self.cluster.wait_for_nodes(timeout=60)
+        self.by_name[name] = node
+        return node.node_id
+
+    def id(self, name: str) -> str:
+        return self.by_name[name].node_id
+
+    def remove(self, name: str) -> None:
+        self.cluster.remove_node(self.by_name.pop(name))
+
+
+@pytest.fixture(scope="module")
+def nodes(no_session_ray):
+    """Head (1 CPU) + a TPU node (TPU: 4) + an accel_b node (accel_b: 1), joined by the driver."""
+    temp_dir = tempfile.mkdtemp(prefix="pm-cl-")  # short: Ray puts Unix sockets under it
+    # Ray's temp root for every node and the Cluster's address file (<root>/ray/...).
+    env = pytest.MonkeyPatch()
+    env.setenv("RAY_TMPDIR", temp_dir)
+    cluster = Cluster()
+    try:
+        with quiet_fork():
+            # The first node added is the head.
+            cluster.add_node(
+                num_cpus=1,
+                include_dashboard=False,
+                object_store_memory=NODE_STORE_BYTES,
+                _system_config=FAST_HEALTH_CHECKS,
+            )
+        named = Nodes(cluster)
+        named.add("tpu_a", 2, {"TPU": 4})
+        named.add("accel_b", 1, {"accel_b": 1})
+        ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
+        yield named
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        env.undo()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _nodes_of(population: RayPopulation) -> list[str]:
+    return [info["node_id"] for info in population.actor_info()]
+
+
+def test_cluster_is_on_loopback(nodes):
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
+
+
+def test_actors_land_only_on_nodes_with_their_resources(nodes):
+    config = tiny_config(num_actors=2, resources={"TPU": 1}, mode="sync")
+    with RayPopulation(config) as population:
+        assert _nodes_of(population) == [nodes.id("tpu_a")] * 2
+        rounds = []
+        run_updates(config, population, 2, rounds.append)
+        assert [[e.worker for e in g.estimates] for g in rounds] == [[0, 1], [0, 1]]
+
+    config = tiny_config(num_actors=1, resources={"accel_b": 1}, num_cpus=0.5)
+    with RayPopulation(config) as population:
+        assert _nodes_of(population) == [nodes.id("accel_b")]
+        assert len(population.gather(Learner(config).theta(), 0).estimates) == 1
+
+
+def test_pinned_cpu_actors_get_distinct_cores_on_each_node(nodes):
+    # CPU-only actors on several nodes: a placement group fixes each actor's
+    # node before it starts, then actors sharing a node get distinct cores.
+    config = tiny_config(num_actors=3, mode="sync", pin_cpus=True)
+    with RayPopulation(config) as population:
+        info = population.actor_info()
+        run_updates(config, population, 1)
+    assert all(i["threads_pinned"] for i in info)
+    by_node: dict[str, list[tuple[int, ...]]] = {}
+    for i in info:
+        by_node.setdefault(i["node_id"], []).append(tuple(i["pinned_cores"]))
+    for cores in by_node.values():
+        assert len(set(cores)) == len(cores), by_node
+
+
+def test_one_actor_per_tpu_node_and_a_lost_tpu_node(nodes, caplog):
+    caplog.set_level(logging.WARNING, logger="popmeta")
+    nodes.add("tpu_b", 2, {"TPU": 4})
+    config = tiny_config(
+        one_actor_per_node_with="TPU",
+        resources={"TPU": 4},
+        mode="async",
+        batch_size=2,
+        num_actors=5,  # ignored: one actor per TPU node
+    )
+    with RayPopulation(config) as population:
+        assert population.num_live == 2
+        assert sorted(_nodes_of(population)) == sorted([nodes.id("tpu_a"), nodes.id("tpu_b")])
+        learner = Learner(config)
+
+        def update():
+            gathered = population.gather(learner.theta(), learner.version)
+            learner.apply(aggregate(gathered.estimates))
+            return gathered
+
+        for _ in range(3):
+            assert len(update().estimates) == 2
+        # A TPU host goes away: no other TPU node is free, so the run goes on
+        # with the actor that is left.
+        nodes.remove("tpu_b")
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while population.num_live == 2:
+            assert time.monotonic() < deadline, "the lost node was never noticed"
+            assert len(update().estimates) == 2
+        assert len(update().estimates) == 2
+        assert _nodes_of(population) == [nodes.id("tpu_a")]
+    assert "lost with its node" in caplog.text
+
+
+def test_actor_of_a_lost_node_is_replaced_on_another_node(nodes, caplog):
+    caplog.set_level(logging.WARNING, logger="popmeta")
+    nodes.add("tpu_c", 2, {"TPU": 4})
+    config = tiny_config(num_actors=1, resources={"TPU": 1}, mode="sync")
+    with RayPopulation(config) as population:
+        theta = run_updates(config, population, 1)
+        (lost,) = _nodes_of(population)
+        name = next(n for n in ("tpu_a", "tpu_c") if nodes.id(n) == lost)
+        survivor = nodes.id("tpu_c" if name == "tpu_a" else "tpu_a")
+        nodes.remove(name)
+        gathered = population.gather(theta, 1)
+        assert gathered.restarted == 1 and len(gathered.estimates) == 1
+        assert _nodes_of(population) == [survivor]
+        assert population.actor_info()[0]["restart"] == 1
+    assert "replaced it with restart 1" in caplog.text

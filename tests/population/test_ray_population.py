@@ -1,0 +1,310 @@
+"""The Ray population on one embedded Ray instance: real actors, tiny problems.
+
+Sync runs are deterministic (bitwise, and equal to the local engine); async
+runs fill every update with ``batch_size`` estimates within the staleness
+bound; theta is put once per version; the population's inner problems are
+spread over their trajectories; a killed actor is replaced and the run goes on.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from popmeta.evaluate import initial_theta
+from popmeta.learner.aggregation import aggregate
+from popmeta.learner.checkpoints import restore_latest
+from popmeta.learner.learner import Learner
+from popmeta.learner.loop import train
+from popmeta.population.local import LocalPopulation
+from popmeta.population.ray_population import RayPopulation
+from popmeta.population.ray_runtime import start_ray
+from tests.population import CALL_TIMEOUT_S, run_updates, tiny_config, tree_bytes
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------- sync
+
+
+@pytest.fixture(scope="module")
+def sync_runs(ray_session, tmp_path_factory):
+    """Theta after 4 sync updates from two Ray runs and the local engine, same seed."""
+    steps = 4
+    run_dir = tmp_path_factory.mktemp("sync")
+    config = tiny_config(mode="sync", run_dir=str(run_dir), num_steps=steps)
+    # Run 1: the real training loop, with the Ray population as its factory.
+    result = train(config, RayPopulation, stream=io.StringIO())
+    assert result.final_step == steps
+    restored = restore_latest(result.run_dir / "checkpoints", Learner(config).checkpoint_tree())
+    assert restored is not None
+    # Run 2: a fresh population (fresh actor processes), the same updates.
+    with RayPopulation(config) as population:
+        info = population.actor_info()
+        theta_ray = run_updates(config, population, steps)
+    # The in-process engine, same config.
+    theta_local = run_updates(config, LocalPopulation(config), steps)
+    return {
+        "config": config,
+        "train": restored.tree["theta"],
+        "ray": theta_ray,
+        "local": theta_local,
+        "info": info,
+    }
+
+
+def test_sync_runs_with_the_same_seed_are_bitwise_equal(sync_runs):
+    assert tree_bytes(sync_runs["train"]) == tree_bytes(sync_runs["ray"])
+    # ... and they did train: theta moved away from its initial value.
+    assert tree_bytes(sync_runs["ray"]) != tree_bytes(initial_theta(sync_runs["config"]))
+
+
+def test_sync_ray_run_is_bitwise_equal_to_the_local_engine(sync_runs):
+    assert tree_bytes(sync_runs["ray"]) == tree_bytes(sync_runs["local"])
+
+
+def test_cpu_actors_on_one_node_are_pinned_to_distinct_cores(sync_runs):
+    info = sync_runs["info"]
+    assert [i["rank"] for i in info] == [0, 1]
+    assert len({i["node_id"] for i in info}) == 1
+    cores = [tuple(i["pinned_cores"]) for i in info]
+    assert len(set(cores)) == 2, cores
+    # Every thread of each actor (XLA's pool included) runs on its cores only.
+    assert all(i["threads_pinned"] for i in info)
+    assert all(i["jax_local_device_count"] == 1 for i in info)
+
+
+# ---------------------------------------------------------------------- async
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_async_updates_use_batch_size_estimates_within_the_staleness_bound(
+    ray_session, max_staleness
+):
+    steps, batch_size = 8, 3
+    config = tiny_config(
+        mode="async", batch_size=batch_size, max_staleness=max_staleness, calls_in_flight=2
+    )
+    rounds = []
+    with RayPopulation(config) as population:
+        run_updates(config, population, steps, rounds.append)
+        per_actor = dict(population.dropped_stale_per_actor)
+        stats = population.per_actor
+
+    assert [len(g.estimates) for g in rounds] == [batch_size] * steps
+    assert [len(g.staleness) for g in rounds] == [batch_size] * steps
+    staleness = [s for g in rounds for s in g.staleness]
+    assert all(0 <= s <= max_staleness for s in staleness)
+    dropped = sum(g.dropped_stale for g in rounds)
+    # Per-actor counts add up to the per-round counts.
+    assert sum(per_actor.values()) == dropped
+    assert sum(s.dropped_stale for s in stats) == dropped
+    # After each update every actor still holds calls on the previous theta
+    # (it was resubmitted at once), so the first of them to finish in the
+    # next round is one version old: dropped at bound 0, accepted at bound 1.
+    if max_staleness == 0:
+        assert dropped >= steps - 1
+    else:
+        assert 1 in staleness
+
+
+# ---------------------------------------------------------------------- broadcast
+
+
+@pytest.mark.parametrize(("num_actors", "mode"), [(1, "sync"), (3, "async")])
+def test_theta_is_put_once_per_version(ray_session, monkeypatch, num_actors, mode):
+    real_put = ray.put
+    puts = []
+
+    def counting_put(value, *args, **kwargs):
+        puts.append(value)
+        return real_put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", counting_put)
+    steps = 5
+    config = tiny_config(num_actors=num_actors, mode=mode, batch_size=num_actors)
+    with RayPopulation(config) as population:
+        theta = run_updates(config, population, steps)
+        assert population.num_puts == steps == len(puts)
+        # A second round on one version (as after a round without usable
+        # estimates) reuses that version's ref.
+        population.gather(theta, steps)
+        population.gather(theta, steps)
+        assert population.num_puts == steps + 1 == len(puts)
+
+
+# ---------------------------------------------------------------------- decorrelation
+
+
+def ks_statistic_uniform(samples: np.ndarray) -> float:
+    """Kolmogorov-Smirnov distance between the samples' empirical CDF and U[0, 1]."""
+    x = np.sort(np.clip(np.asarray(samples, np.float64), 0.0, 1.0))
+    n = len(x)
+    i = np.arange(1, n + 1)
+    return float(max(np.max(i / n - x), np.max(x - (i - 1) / n)))
+
+
+def test_population_tasks_are_spread_uniformly_over_their_trajectories(ray_session):
+    num_actors, num_tasks = 3, 16
+    config = tiny_config(num_actors=num_actors, num_tasks=num_tasks, mode="sync")
+    with RayPopulation(config) as population:
+        # 10 updates x 5 steps: every task has finished a 20-step trajectory
+        # and restarted, so what is left is the effect of the random offsets.
+        run_updates(config, population, 10)
+        phases = population.trajectory_phases()
+    assert [p.shape for p in phases] == [(num_tasks,)] * num_actors
+    pooled = np.concatenate(phases)
+    # Threshold: with n = 48 independent uniform phases, the KS statistic
+    # exceeds 1.95 / sqrt(n) = 0.28 with probability 0.1%; phases live on the
+    # grid {0, 1/20, ..., 1}, which adds at most 1/20. Tasks in lockstep (no
+    # offsets) would all share one phase p, giving max(p, 1 - p) >= 0.5.
+    threshold = 1.95 / np.sqrt(len(pooled)) + 1 / 20
+    assert ks_statistic_uniform(np.full(len(pooled), 0.5)) >= 0.5 > threshold
+    assert ks_statistic_uniform(pooled) < threshold, np.sort(pooled)
+    # Actors are not copies of one another (each rank has its own keys).
+    assert len({p.tobytes() for p in phases}) == num_actors
+
+
+# ---------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_killed_actor_is_replaced_and_the_run_goes_on(ray_session, caplog, mode):
+    caplog.set_level(logging.WARNING, logger="popmeta")
+    config = tiny_config(mode=mode, batch_size=2, max_actor_restarts=1)
+    with RayPopulation(config) as population:
+        learner = Learner(config)
+
+        def update():
+            gathered = population.gather(learner.theta(), learner.version)
+            learner.apply(aggregate(gathered.estimates))
+            return gathered
+
+        update()
+        before = population.actor_info()[0]
+        ray.kill(population.actors[0])
+
+        # Async rounds may finish on the other actor before the death shows.
+        restarted, deadline = 0, time.monotonic() + CALL_TIMEOUT_S
+        while restarted == 0:
+            assert time.monotonic() < deadline, "the killed actor was never replaced"
+            gathered = update()
+            assert len(gathered.estimates) == 2
+            restarted += gathered.restarted
+        assert restarted == 1 and population.num_restarts == 1
+        assert population.num_live == 2
+        after = population.actor_info()[0]
+        assert after["rank"] == 0 and after["restart"] == 1
+        assert after["pid"] != before["pid"]
+        assert "replaced it with restart 1" in caplog.text
+
+        # The run goes on with both ranks.
+        ranks = set()
+        for _ in range(4):
+            gathered = update()
+            assert len(gathered.estimates) == 2
+            ranks.update(e.worker for e in gathered.estimates)
+        if mode == "sync":
+            assert ranks == {0, 1}
+        stats = {s.rank: s for s in population.per_actor}
+        assert stats[0].restart == 1 and stats[1].restart == 0
+
+        # Beyond population.max_actor_restarts the population gives up, clearly.
+        ray.kill(population.actors[1])
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        with pytest.raises(RuntimeError, match="max_actor_restarts=1"):
+            while time.monotonic() < deadline:
+                update()
+
+
+def test_population_env_reaches_the_actors_and_init_errors_surface(ray_session):
+    # XLA reads XLA_FLAGS when the actor process starts: 2 host devices, over
+    # which the worker shards its tasks.
+    two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    config = tiny_config(num_actors=1, num_tasks=4, env=two_devices)
+    with RayPopulation(config) as population:
+        (info,) = population.actor_info()
+        assert info["jax_local_device_count"] == 2 and info["num_devices"] == 2
+        assert len(population.gather(Learner(config).theta(), 0).estimates) == 1
+    # 3 tasks cannot be split over 2 devices: the actor's __init__ raises,
+    # and the population says which actor failed and why, at once.
+    config = tiny_config(num_actors=1, num_tasks=3, env=two_devices)
+    with pytest.raises(RuntimeError, match=r"actor 0 failed to start(.|\n)*multiple of"):
+        RayPopulation(config)
+
+
+def test_one_actor_per_node_without_a_carrier_fails_clearly(ray_session):
+    config = tiny_config(one_actor_per_node_with="TPU")
+    with pytest.raises(RuntimeError, match="no alive Ray node carries resource 'TPU'"):
+        RayPopulation(config)
+
+
+# ---------------------------------------------------------------------- runtime
+
+
+def test_start_ray_reuses_an_initialised_instance(ray_session):
+    handle = start_ray(None)
+    assert not handle.started
+    handle.shutdown()
+    assert ray.is_initialized()
+
+
+def test_population_without_ray_starts_a_quiet_loopback_instance_and_stops_it():
+    # A separate process: this one already hosts the session instance.
+    script = textwrap.dedent(
+        """
+        import ray
+        from popmeta.population.ray_population import RayPopulation
+        from tests.population import run_updates, tiny_config
+
+        config = tiny_config(num_actors=1)
+        population = RayPopulation(config)
+        assert population._runtime.started
+        addresses = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
+        run_updates(config, population, 1)
+        population.close()
+        print("ADDRESSES", addresses, "UP", ray.is_initialized())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Short: Ray puts Unix sockets under it (pytest's tmp_path is too long).
+    temp_dir = tempfile.mkdtemp(prefix="pm-ray-")
+    env["RAY_TMPDIR"] = temp_dir
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=REPO,
+        )
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert out.returncode == 0, out.stderr
+    assert "ADDRESSES ['127.0.0.1'] UP False" in out.stdout
+    # No Ray log lines on the user's terminal.
+    assert "ray" not in out.stderr.lower(), out.stderr
+
+
+def test_actors_no_node_can_host_fail_clearly_after_the_call_timeout(ray_session, caplog):
+    caplog.set_level(logging.WARNING, logger="popmeta")
+    config = tiny_config(num_actors=1, resources={"no_such_accelerator": 1}, call_timeout_s=2.0)
+    with pytest.raises(RuntimeError, match=r"did not start within population\.call_timeout_s"):
+        RayPopulation(config)
+    # Said at once, not only after the timeout.
+    assert "can host 0 of 1 actors" in caplog.text
