@@ -1,5 +1,6 @@
 """Gradient estimators of the meta-loss with respect to theta."""
 
+from popmeta.core.estimators.antithetic import AntitheticEstimator
 from popmeta.core.estimators.base import EstimatorOut, GradientEstimator, truncation_keys
 from popmeta.core.estimators.es import FullES, TruncatedES
 from popmeta.core.estimators.nres import NoiseReuseES
@@ -9,6 +10,7 @@ from popmeta.core.estimators.truncated_grad import TruncatedGrad
 
 __all__ = [
     "TASK_AXIS",
+    "AntitheticEstimator",
     "EstimatorOut",
     "FullES",
     "GradientEstimator",

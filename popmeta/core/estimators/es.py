@@ -7,16 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from popmeta.core.estimators.base import (
-    EstimatorOut,
-    GradientEstimator,
-    antithetic_deltas,
-    ends_with_reset,
-    es_metrics,
-    perturbed_unroll,
-    sample_perturbation,
-    weighted_task_mean,
-)
+from popmeta.core.estimators.antithetic import AntitheticEstimator, ends_with_reset
 from popmeta.core.tree_utils import per_task, stack_members
 from popmeta.core.truncated_step import TruncatedStep
 from popmeta.core.truncation import TruncationSchedule
@@ -24,14 +15,7 @@ from popmeta.core.truncation import TruncationSchedule
 __all__ = ["FullES", "TruncatedES", "TruncatedESWorkerState"]
 
 
-def _es_grad(deltas, noise, std):
-    per_task_grad = per_task(deltas.first + deltas.after, noise)
-    return jax.tree_util.tree_map(
-        lambda g: g / (2 * std**2), weighted_task_mean(per_task_grad, deltas.valid)
-    )
-
-
-class FullES(GradientEstimator):
+class FullES(AntitheticEstimator):
     """Antithetic ES over whole episodes, started fresh on every call.
 
     One perturbation per task per episode. Unbiased for the gradient of the
@@ -62,11 +46,7 @@ class FullES(GradientEstimator):
                     "FullES needs a fixed episode length: pass an int or a "
                     f"ConstantTruncationSchedule, got {type(truncation_schedule).__name__}"
                 )
-        self.truncated_step = truncated_step
-        self.trunc_length = int(length)
-        self.std = float(std)
-        self.sign_delta_loss_scalar = sign_delta_loss_scalar
-        self.clip_loss_diff = clip_loss_diff
+        super().__init__(truncated_step, length, std, sign_delta_loss_scalar, clip_loss_diff)
 
     def init_worker_state(self, theta, key, outer_state=None):
         del theta, key, outer_state
@@ -79,26 +59,21 @@ class FullES(GradientEstimator):
     def estimate(self, theta, state, key, data=None, outer_state=None):
         del state
         key_init, key_noise, key_unroll = jax.random.split(key, 3)
-        num_tasks = self.truncated_step.num_tasks
         start = self.truncated_step.init_step_state(theta, outer_state, key_init)
-        noise = sample_perturbation(key_noise, theta, num_tasks, self.std)
-        unrolled = perturbed_unroll(
-            self.truncated_step,
+        noise = self._noise(key_noise, theta)
+        unrolled, deltas = self._unroll(
             theta,
             (1.0, -1.0),
             noise,
             noise,
             stack_members(start, 2),
-            jnp.zeros((num_tasks,), bool),
+            jnp.zeros((self.truncated_step.num_tasks,), bool),
             key_unroll,
             data,
-            self.trunc_length,
             outer_state,
         )
-        deltas = antithetic_deltas(unrolled, self.sign_delta_loss_scalar, self.clip_loss_diff)
-        metrics = es_metrics(deltas, unrolled)
-        grad = _es_grad(deltas, noise, self.std)
-        return EstimatorOut(grad, metrics["mean_loss"], deltas.valid.sum(), ()), metrics
+        per_task_grad = per_task(deltas.first + deltas.after, noise)
+        return self._output(per_task_grad, deltas, unrolled, ())
 
 
 class TruncatedESWorkerState(NamedTuple):
@@ -106,29 +81,16 @@ class TruncatedESWorkerState(NamedTuple):
     starts_with_reset: jax.Array  # [tasks]
 
 
-class TruncatedES(GradientEstimator):
+class TruncatedES(AntitheticEstimator):
     """Antithetic ES over one truncation, both members starting from a shared state.
 
     Fresh noise each truncation. The shared state is advanced by an unperturbed
     third member, so the estimate ignores theta's influence on the state the
-    truncation starts from: biased whenever that influence matters.
+    truncation starts from: biased whenever that influence matters. Arguments
+    as for :class:`AntitheticEstimator`.
     """
 
     num_members = 3
-
-    def __init__(
-        self,
-        truncated_step: TruncatedStep,
-        trunc_length: int = 10,
-        std: float = 0.01,
-        sign_delta_loss_scalar: float | None = None,
-        clip_loss_diff: float | None = None,
-    ):
-        self.truncated_step = truncated_step
-        self.trunc_length = int(trunc_length)
-        self.std = float(std)
-        self.sign_delta_loss_scalar = sign_delta_loss_scalar
-        self.clip_loss_diff = clip_loss_diff
 
     def init_worker_state(self, theta, key, outer_state=None):
         num_tasks = self.truncated_step.num_tasks
@@ -145,9 +107,8 @@ class TruncatedES(GradientEstimator):
 
     def estimate(self, theta, state, key, data=None, outer_state=None):
         key_noise, key_unroll = jax.random.split(key)
-        noise = sample_perturbation(key_noise, theta, self.truncated_step.num_tasks, self.std)
-        unrolled = perturbed_unroll(
-            self.truncated_step,
+        noise = self._noise(key_noise, theta)
+        unrolled, deltas = self._unroll(
             theta,
             (1.0, -1.0, 0.0),
             noise,
@@ -156,13 +117,10 @@ class TruncatedES(GradientEstimator):
             state.starts_with_reset,
             key_unroll,
             data,
-            self.trunc_length,
             outer_state,
         )
-        deltas = antithetic_deltas(unrolled, self.sign_delta_loss_scalar, self.clip_loss_diff)
-        metrics = es_metrics(deltas, unrolled)
         new_state = TruncatedESWorkerState(
             jax.tree_util.tree_map(lambda x: x[2], unrolled.state), ends_with_reset(unrolled)
         )
-        grad = _es_grad(deltas, noise, self.std)
-        return EstimatorOut(grad, metrics["mean_loss"], deltas.valid.sum(), new_state), metrics
+        per_task_grad = per_task(deltas.first + deltas.after, noise)
+        return self._output(per_task_grad, deltas, unrolled, new_state)
