@@ -61,6 +61,9 @@ def test_train_meta_learns_writes_events_and_checkpoints_then_resumes(tmp_path):
     result = popmeta(*args, tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "step 400/400" in result.stderr
+    # Ray's own start-up and worker logs stay out of the user's way.
+    for noise in ("Started a local Ray instance", "INFO", "(EstimatorActor"):
+        assert noise not in result.stdout and noise not in result.stderr, noise
     ratio = float(re.search(r"reaches ([\d.]+)x lower", result.stdout).group(1))
     assert ratio > 1.5, result.stdout  # clearly better than its untrained self
 

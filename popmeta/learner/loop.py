@@ -143,6 +143,7 @@ def train(
             )
     except KeyboardInterrupt:
         interrupted = True
+        progress.close()
         print("\ninterrupted: saving a checkpoint and closing the run", file=stream)
     finally:
         progress.close()

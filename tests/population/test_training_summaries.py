@@ -1,0 +1,65 @@
+"""An async run on Ray, end to end through the learner loop, read back from TensorBoard."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+
+from popmeta.learner.loop import train
+from popmeta.population.ray_population import RayPopulation
+from tests.events import read_events
+from tests.population import tiny_config
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_async_run_summaries_are_complete_and_sane(ray_session, tmp_path):
+    config = tiny_config(
+        mode="async",
+        run_dir=str(tmp_path),
+        num_steps=60,
+        batch_size=2,
+        max_staleness=1,
+        calls_in_flight=2,
+    )
+    config = dataclasses.replace(
+        config, train=dataclasses.replace(config.train, summary_every=10, checkpoint_every=30)
+    )
+    result = train(config, RayPopulation, stream=io.StringIO())
+    assert result.final_step == 60 and not result.interrupted
+
+    scalars, histograms = read_events(result.run_dir)
+
+    def values(tag):
+        assert tag in scalars, tag
+        return np.array([v for _, v in scalars[tag]])
+
+    assert [s for s, _ in scalars["meta_loss"]] == [10, 20, 30, 40, 50, 60]
+    assert np.all(np.isfinite(values("meta_loss"))) and np.all(values("meta_loss") > 0)
+    assert np.all(np.isfinite(values("meta_loss_by_family/fixed_dim_quadratic")))
+    for tag in (
+        "grad_norm",
+        "update_norm",
+        "theta_norm",
+        "learner_update_time",
+        "estimates_per_s",
+        "inner_steps_per_s",
+    ):
+        assert np.all(values(tag) > 0), tag
+    staleness_max = values("staleness_max")
+    assert np.all(staleness_max <= 1) and np.all(values("staleness_mean") <= staleness_max)
+    assert np.any(staleness_max == 1)  # queued calls really run on older theta
+    assert [n for _, n in histograms["staleness"]] == [20] * 6
+    dropped = values("dropped_stale")
+    assert np.all(np.diff(dropped) >= 0)  # a running total
+    assert np.all(values("rejected_nonfinite") == 0) and np.all(values("actor_restarts") == 0)
+    assert np.all(values("live_actors") == 2)
+    for rank in (0, 1):
+        assert np.all(values(f"inner_steps_per_s_by_actor/{rank}") > 0)
+    # inner-steps/s is estimates/s times the inner steps behind each estimate
+    np.testing.assert_allclose(
+        values("inner_steps_per_s"), values("estimates_per_s") * 2 * 2 * 5, rtol=1e-5
+    )
