@@ -10,7 +10,10 @@ one process can only be connected to one Ray cluster.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -107,6 +110,63 @@ def test_actors_land_only_on_nodes_with_their_resources(nodes):
     with RayPopulation(config) as population:
         assert _nodes_of(population) == [nodes.id("accel_b")]
         assert len(population.gather(Learner(config).theta(), 0).estimates) == 1
+
+
+@pytest.mark.parametrize("how", ["--address", "RAY_ADDRESS"])
+def test_cli_joins_a_running_cluster_and_leaves_it_running(nodes, tmp_path, how):
+    """`popmeta train --address ...` (or RAY_ADDRESS) runs its actors on the cluster.
+
+    The actor asks for a resource only the cluster's accel_b node has: had the
+    command started an embedded instance instead, it would never be scheduled.
+    """
+    address = nodes.cluster.address
+    args = [
+        sys.executable,
+        "-m",
+        "popmeta.cli",
+        "train",
+        "--set",
+        "task.family=fixed_dim_quadratic",
+        "--set",
+        "task.dim=4",
+        "--set",
+        "learned_optimizer.kind=learnable_sgdm",
+        "--set",
+        "truncation.length=20",
+        "--set",
+        "estimator.num_tasks=2",
+        "--set",
+        "estimator.trunc_length=5",
+        "--set",
+        "eval.num_tasks=2",
+        "--set",
+        "eval.num_steps=5",
+        "--set",
+        "train.num_steps=5",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "population.num_actors=1",
+        "--set",
+        "population.num_cpus=0.5",
+        "--set",
+        "population.resources={accel_b: 1}",
+        "--set",
+        "population.call_timeout_s=60",
+    ]
+    env = dict(os.environ)
+    if how == "--address":
+        args += ["--address", address]
+        env.pop("RAY_ADDRESS", None)
+    else:
+        env["RAY_ADDRESS"] = address
+    alive_before = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    result = subprocess.run(
+        args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step 5/5" in result.stderr and "lower mean training loss" in result.stdout
+    assert sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]) == alive_before
 
 
 def test_pinned_cpu_actors_get_distinct_cores_on_each_node(nodes):
