@@ -113,7 +113,7 @@ def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--truncations-per-call", type=int, default=8)
+    parser.add_argument("--truncations-per-call", type=int, default=64)
     args = parser.parse_args()
     sec = args.seconds
     k = args.truncations_per_call

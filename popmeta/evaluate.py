@@ -12,7 +12,7 @@ import numpy as np
 from popmeta.config import Config, config_from_dict
 from popmeta.core.evaluation import training_curves
 from popmeta.core.optimizers import SGD, SGDM, Adam, Optimizer
-from popmeta.experiment import build_learned_optimizer, build_task_family
+from popmeta.experiment import build_learned_optimizer, build_task_family, initial_theta
 from popmeta.learner.checkpoints import load_checkpoint, read_checkpoint_metadata
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "EvalResult",
     "evaluate_checkpoint",
     "evaluate_thetas",
-    "initial_theta",
     "load_theta",
     "tuned_baselines",
 ]
@@ -42,21 +41,21 @@ class EvalResult(NamedTuple):
     train_curve: np.ndarray  # [num_steps]
 
 
-def _curves(config: Config, optimizer_of: Callable[[Any], Optimizer], seed: int):
+def _curves(config: Config, optimizer_of: Callable[[Any], Optimizer]):
+    """``evaluate(args, seed)``: mean curves of ``optimizer_of(args)`` on tasks from ``seed``.
+
+    One compilation serves every ``args`` (theta, or a learning rate) and seed.
+    """
     family = build_task_family(config.task)
 
     @jax.jit
-    def run(args):
+    def run(args, key):
         return training_curves(
-            family,
-            optimizer_of(args),
-            jax.random.key(seed),
-            config.eval.num_tasks,
-            config.eval.num_steps,
+            family, optimizer_of(args), key, config.eval.num_tasks, config.eval.num_steps
         )
 
-    def evaluate(args) -> EvalResult:
-        result = run(args)
+    def evaluate(args, seed: int) -> EvalResult:
+        result = run(args, jax.random.key(seed))
         train = np.asarray(result.train_loss)
         final = np.asarray(result.eval_loss)[:, -1]
         # A diverged run counts as infinitely bad, never as a NaN that compares false.
@@ -66,20 +65,14 @@ def _curves(config: Config, optimizer_of: Callable[[Any], Optimizer], seed: int)
     return evaluate
 
 
-def initial_theta(config: Config) -> Any:
-    """Theta as the learner initialises it (the untrained learned optimizer)."""
-    key_theta, _ = jax.random.split(jax.random.key(config.seed))
-    return build_learned_optimizer(config.learned_optimizer).init(key_theta)
-
-
 def evaluate_thetas(config: Config, thetas: dict[str, Any]) -> dict[str, EvalResult]:
     """Trains ``eval.num_tasks`` held-out tasks for ``eval.num_steps`` steps with each theta.
 
     Every theta sees the same tasks, initialisations and batches (keys from ``eval.seed``).
     """
     lopt = build_learned_optimizer(config.learned_optimizer)
-    evaluate = _curves(config, lopt.opt_fn, config.eval.seed)
-    return {name: evaluate(theta) for name, theta in thetas.items()}
+    evaluate = _curves(config, lopt.opt_fn)
+    return {name: evaluate(theta, config.eval.seed) for name, theta in thetas.items()}
 
 
 def tuned_baselines(
@@ -92,11 +85,12 @@ def tuned_baselines(
     """
     results = {}
     for name in names:
-        make = BASELINES[name]
-        tune = _curves(config, make, config.eval.seed + 1)
-        scores = [tune(np.float32(lr)).mean_train_loss for lr in LEARNING_RATES]
+        evaluate = _curves(config, BASELINES[name])
+        scores = [
+            evaluate(np.float32(lr), config.eval.seed + 1).mean_train_loss for lr in LEARNING_RATES
+        ]
         best = LEARNING_RATES[int(np.argmin(scores))]
-        results[name] = (best, _curves(config, make, config.eval.seed)(np.float32(best)))
+        results[name] = (best, evaluate(np.float32(best), config.eval.seed))
     return results
 
 

@@ -6,6 +6,8 @@ driver for the local engine, inside each actor for the Ray engine.
 
 from __future__ import annotations
 
+import jax
+
 from popmeta.config import (
     Config,
     EstimatorConfig,
@@ -51,6 +53,8 @@ __all__ = [
     "build_task_family",
     "build_truncated_step",
     "build_truncation_schedule",
+    "initial_theta",
+    "learner_keys",
 ]
 
 
@@ -132,3 +136,14 @@ def build_estimator(cfg: Config) -> GradientEstimator:
         case "truncated_grad":
             return TruncatedGrad(step, est.trunc_length)
     raise ValueError(f"estimator.kind: unknown kind {est.kind!r}")
+
+
+def learner_keys(config: Config) -> tuple[jax.Array, jax.Array]:
+    """The keys of theta's initialisation and of the learner's ``TrainState`` rng."""
+    key_theta, key_rng = jax.random.split(jax.random.key(config.seed))
+    return key_theta, key_rng
+
+
+def initial_theta(config: Config):
+    """Theta as the learner initialises it (the untrained learned optimizer)."""
+    return build_learned_optimizer(config.learned_optimizer).init(learner_keys(config)[0])

@@ -144,9 +144,25 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         return state
 
     def unroll_step(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
-        theta_axis = self._theta_axis(theta_is_vector)
+        return self._unroll(
+            theta, unroll_state, key, data, outer_state, self._theta_axis(theta_is_vector), False
+        )
+
+    def unroll_members(self, thetas, unroll_states, key, data, outer_state):
+        # Not the default vmap over unroll_step: under it the reset predicate
+        # would be batched and the cond would become a select that pays for a
+        # fresh init at every step.
+        return self._unroll(thetas, unroll_states, key, data, outer_state, 0, True)
+
+    def _unroll(self, theta, unroll_state, key, data, outer_state, theta_axis, members):
+        """One step of every task (of every member, if ``members``), resets under one cond."""
+
+        def batched(fn, task_axes, member_axes):
+            fn = jax.vmap(fn, in_axes=task_axes)
+            return jax.vmap(fn, in_axes=member_axes) if members else fn
+
         key_update, key_reset = jax.random.split(key)
-        update = jax.vmap(self._update_one, in_axes=(theta_axis, 0, 0, 0, None))
+        update = batched(self._update_one, (theta_axis, 0, 0, 0, None), (0, 0, None, None, None))
         stepped, out = update(
             theta, unroll_state, jax.random.split(key_update, self.num_tasks), data, outer_state
         )
@@ -154,7 +170,7 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
 
         def reset_finished(stepped_and_out):
             stepped, out = stepped_and_out
-            init = jax.vmap(self._init_one, in_axes=(theta_axis, 0, None))
+            init = batched(self._init_one, (theta_axis, 0, None), (0, None, None))
             fresh = init(theta, jax.random.split(key_reset, self.num_tasks), outer_state)
             reset_out = TruncatedUnrollOut(
                 loss=jnp.zeros_like(out.loss),

@@ -10,6 +10,7 @@ which steps belong to which trajectory.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -56,6 +57,20 @@ class TruncatedStep:
         theta_is_vector: bool = False,
     ) -> tuple[Any, TruncatedUnrollOut]:
         raise NotImplementedError
+
+    def unroll_members(
+        self, thetas: Any, unroll_states: Any, key: jax.Array, data: Any, outer_state: Any
+    ) -> tuple[Any, TruncatedUnrollOut]:
+        """One step of several members (e.g. the antithetic + and -) on the same key and data.
+
+        ``thetas`` and ``unroll_states`` lead with a member axis, then (for a
+        vectorized step) the task axis. The default vmaps ``unroll_step``;
+        steps override it when work can be shared across members.
+        """
+        return jax.vmap(
+            functools.partial(self.unroll_step, theta_is_vector=True),
+            in_axes=(0, 0, None, None, None),
+        )(thetas, unroll_states, key, data, outer_state)
 
     def meta_loss_batch(
         self,

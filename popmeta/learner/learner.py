@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from popmeta.config import Config
-from popmeta.experiment import build_learned_optimizer
+from popmeta.experiment import initial_theta, learner_keys
 from popmeta.learner.aggregation import Aggregate
 from popmeta.learner.train_state import TrainState, build_apply_estimate_fn, make_outer_optimizer
 
@@ -20,8 +20,7 @@ class Learner:
 
     def __init__(self, config: Config):
         self.config = config
-        key_theta, key_rng = jax.random.split(jax.random.key(config.seed))
-        theta = build_learned_optimizer(config.learned_optimizer).init(key_theta)
+        theta = initial_theta(config)
         outer = config.outer_optimizer
         tx = make_outer_optimizer(
             outer.name,
@@ -29,7 +28,7 @@ class Learner:
             clip_grad_norm=outer.clip_grad_norm,
             weight_decay=outer.weight_decay,
         )
-        self.state = TrainState.initial_state(theta, tx, key_rng)
+        self.state = TrainState.initial_state(theta, tx, learner_keys(config)[1])
         self._apply = build_apply_estimate_fn(donate_params_and_state=True)
         self._theta_host: Any = None
 

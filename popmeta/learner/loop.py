@@ -12,7 +12,8 @@ from typing import NamedTuple
 import numpy as np
 
 from popmeta.config import Config, config_to_dict, config_to_yaml
-from popmeta.evaluate import EvalResult, evaluate_thetas, initial_theta
+from popmeta.evaluate import EvalResult, evaluate_thetas
+from popmeta.experiment import initial_theta
 from popmeta.learner.aggregation import aggregate
 from popmeta.learner.checkpoints import restore_latest, save_checkpoint
 from popmeta.learner.learner import Learner

@@ -80,11 +80,10 @@ class RoundStats:
     def write(self, summaries: Summaries, step: int, live_actors: int) -> None:
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
         self.last_estimates_per_s = self._num_estimates / elapsed
+        meta_loss = np.mean(self._losses) if self._losses else float("nan")
         values = {
-            "meta_loss": np.mean(self._losses) if self._losses else float("nan"),
-            f"meta_loss_by_family/{self.task_family}": (
-                np.mean(self._losses) if self._losses else float("nan")
-            ),
+            "meta_loss": meta_loss,
+            f"meta_loss_by_family/{self.task_family}": meta_loss,
             "learner_update_time": np.mean(self._update_times) if self._update_times else 0.0,
             "estimates_per_s": self.last_estimates_per_s,
             "inner_steps_per_s": self.last_estimates_per_s * self.steps_per_estimate,

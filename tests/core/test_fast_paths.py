@@ -19,20 +19,15 @@ def _pes(family=None, length=50, offset=50, num_tasks=4):
     return pm.TruncatedPES(step, trunc_length=10, std=0.01)
 
 
-def _primitives(jaxpr):
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its parameters."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
-            yield from _primitives(sub)
         for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _primitives(inner)
-            if isinstance(param, tuple | list):
-                for p in param:
-                    inner = getattr(p, "jaxpr", p)
-                    if hasattr(inner, "eqns"):
-                        yield from _primitives(inner)
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 
 def test_a_truncation_is_one_scan_with_no_host_callbacks():
@@ -42,7 +37,8 @@ def test_a_truncation_is_one_scan_with_no_host_callbacks():
     jaxpr = jax.make_jaxpr(estimator.estimate)(theta, state, jax.random.key(2)).jaxpr
     top_scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert [e.params["length"] for e in top_scans] == [10]
-    names = {e.primitive.name for e in _primitives(jaxpr)}
+    names = {e.primitive.name for e in _equations(jaxpr)}
+    assert "cond" in names  # the walk reaches the jaxprs nested in the scan
     assert not {n for n in names if "callback" in n}
 
 
@@ -93,3 +89,27 @@ def test_steps_without_a_reset_do_not_pay_for_task_and_optimizer_init():
 def test_on_device_data_is_sampled_inside_jit():
     estimator = _pes(pm.single_task_to_family(pm.ImageMLP_Digits8_Relu32()), num_tasks=2)
     assert estimator.truncated_step.get_batch(10) is None
+
+
+def test_estimator_truncations_without_a_reset_do_not_pay_for_init():
+    """The same through the antithetic members, which must not turn the cond into a select."""
+
+    def counted_estimate(length):
+        step = pm.VectorizedLOptTruncatedStep(
+            CountingFamily(10),
+            pm.LearnableSGDM(),
+            pm.ConstantTruncationSchedule(length),
+            num_tasks=4,
+        )
+        estimator = pm.TruncatedPES(step, trunc_length=10, std=0.01)
+        theta = step.learned_opt.init(jax.random.key(0))
+        state = estimator.init_worker_state(theta, jax.random.key(1))
+        jax.effects_barrier()
+        CountingFamily.samples = 0
+        _, metrics = estimator.compute_gradient_estimate(theta, state, jax.random.key(2))
+        jax.effects_barrier()
+        return CountingFamily.samples, int(metrics["num_done"])
+
+    assert counted_estimate(length=100) == (0, 0)
+    samples, num_done = counted_estimate(length=6)  # every task ends at step 6, resets at 7
+    assert num_done > 0 and samples > 0

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import ray
 
-from popmeta.evaluate import initial_theta
+from popmeta.experiment import initial_theta
 from popmeta.learner.aggregation import aggregate
 from popmeta.learner.checkpoints import restore_latest
 from popmeta.learner.learner import Learner

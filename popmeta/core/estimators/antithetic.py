@@ -10,7 +10,6 @@ resets.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -173,10 +172,6 @@ def perturbed_unroll(
     """
     signs_arr = jnp.asarray(signs, jnp.float32)
     keys = jax.random.split(key, num_steps)
-    unroll = jax.vmap(
-        functools.partial(truncated_step.unroll_step, theta_is_vector=True),
-        in_axes=(0, 0, None, None, None),
-    )
 
     def member_thetas(noise):
         def leaf(t, n):
@@ -193,7 +188,9 @@ def perturbed_unroll(
             if noise_first is noise_after
             else select_tasks(in_first, noise_first, noise_after)
         )
-        states, out = unroll(member_thetas(noise), states, step_key, step_data, outer_state)
+        states, out = truncated_step.unroll_members(
+            member_thetas(noise), states, step_key, step_data, outer_state
+        )
         is_done = out.is_done[0]
         mask = jnp.all(out.mask, axis=0)
         return (states, in_first & ~is_done), (out.loss, mask, is_done, in_first)
