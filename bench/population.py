@@ -34,7 +34,7 @@ import optax
 import ray
 
 from popmeta.config import load_config
-from popmeta.learner.aggregation import Estimate, aggregate
+from popmeta.estimate import Estimate, aggregate
 from popmeta.learner.learner import Learner
 from popmeta.learner.train_state import TrainState, build_apply_estimate_fn
 from popmeta.population.local import LocalPopulation

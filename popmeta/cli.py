@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(config) -> int:
-    from popmeta.learner.loop import train
+    from popmeta.train import train
 
     pop = config.population
     print(

@@ -14,6 +14,8 @@ from popmeta.core.evaluation import training_curves
 from popmeta.core.optimizers import SGD, SGDM, Adam, Optimizer
 from popmeta.experiment import build_learned_optimizer, build_task_family, initial_theta
 from popmeta.learner.checkpoints import load_checkpoint, read_checkpoint_metadata
+from popmeta.learner.learner import Learner
+from popmeta.summaries import Summaries
 
 __all__ = [
     "BASELINES",
@@ -96,8 +98,6 @@ def tuned_baselines(
 
 def load_theta(checkpoint: str | Path) -> tuple[Config, Any]:
     """The config and theta stored in a training checkpoint."""
-    from popmeta.learner.learner import Learner
-
     metadata = read_checkpoint_metadata(checkpoint)
     if "config" not in metadata:
         raise ValueError(f"{checkpoint}: no config in the checkpoint's metadata")
@@ -114,8 +114,6 @@ def evaluate_checkpoint(
     Writes per-step curves to TensorBoard and a PNG under ``out_dir``
     (default: ``eval/`` beside the checkpoints directory).
     """
-    from popmeta.learner.summaries import Summaries
-
     checkpoint = Path(checkpoint)
     config, theta = load_theta(checkpoint)
     results = evaluate_thetas(config, {"learned": theta, "untrained": initial_theta(config)})

@@ -26,7 +26,7 @@ import numpy as np
 import ray
 
 from popmeta.config import Config
-from popmeta.learner.aggregation import Estimate
+from popmeta.estimate import Estimate
 
 __all__ = ["EstimatorActor", "pin_process_to_cores"]
 
@@ -76,7 +76,8 @@ def _threads_within(cores: set[int]) -> bool:
 
 
 def _to_host(tree: Any) -> Any:
-    # numpy leaves ship 2.5-3.5x faster than jax.Array leaves (RAY_NOTES).
+    # Ray serialises numpy arrays 2.5-3.5x faster than jax.Array leaves
+    # (measured for 1e6-1e7 float32 elements).
     import jax
 
     return jax.tree_util.tree_map(np.asarray, tree)

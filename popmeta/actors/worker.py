@@ -22,7 +22,7 @@ import numpy as np
 from popmeta.config import Config
 from popmeta.core.estimators import GradientEstimator, TaskSharding
 from popmeta.experiment import build_estimator
-from popmeta.learner.aggregation import Estimate
+from popmeta.estimate import Estimate
 
 __all__ = ["EstimatorWorker", "worker_key"]
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from popmeta.config import Config
 from popmeta.experiment import initial_theta, learner_keys
-from popmeta.learner.aggregation import Aggregate
+from popmeta.estimate import Aggregate
 from popmeta.learner.train_state import TrainState, build_apply_estimate_fn, make_outer_optimizer
 
 __all__ = ["Learner"]

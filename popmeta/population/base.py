@@ -1,10 +1,11 @@
-"""What every population gives the learner loop."""
+"""What every population gives the run loop."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
-from popmeta.learner.aggregation import Estimate
+from popmeta.estimate import Estimate
 
 __all__ = ["Gathered", "Population"]
 
@@ -16,13 +17,15 @@ class Gathered(NamedTuple):
       estimates: accepted estimates, in the order to aggregate them (sync mode:
         actor-rank order, which makes the update deterministic).
       staleness: per accepted estimate, learner version minus its theta version.
-      dropped_stale: estimates dropped for exceeding ``max_staleness`` while gathering.
+      dropped_stale: rank -> estimates of that rank dropped while gathering
+        (too stale for ``max_staleness``, or a leftover of an earlier sync
+        round); ranks without drops are absent.
       restarted: actors replaced while gathering.
     """
 
     estimates: list[Estimate]
     staleness: list[int]
-    dropped_stale: int = 0
+    dropped_stale: Mapping[int, int]
     restarted: int = 0
 
 
@@ -39,6 +42,11 @@ class Population(Protocol):
 
     def gather(self, theta: Any, version: int) -> Gathered:
         """Estimates for the update that produces version ``version + 1``."""
+        ...
+
+    def describe_actors(self) -> list[dict[str, Any]]:
+        """Where each live worker runs, in rank order: at least ``rank``,
+        ``restart``, ``node_id``, ``pid`` and ``pinned_cores`` (None if unpinned)."""
         ...
 
     def close(self) -> None: ...

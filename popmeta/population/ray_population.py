@@ -57,7 +57,7 @@ from ray.util.scheduling_strategies import (
 
 from popmeta.actors.actor import EstimatorActor
 from popmeta.config import Config
-from popmeta.learner.aggregation import Estimate
+from popmeta.estimate import Estimate
 from popmeta.population.base import Gathered
 from popmeta.population.ray_runtime import RayHandle, start_ray
 

@@ -9,25 +9,40 @@ cluster, which is how ``ray submit`` / ``ray job submit`` runs work. If Ray is
 already initialised in this process (a test session, a notebook, a caller's
 own ``ray.init``), that instance is reused and left running.
 
+This module is the one owner of Ray's lifetime in a run: the run loop opens
+the runtime with :func:`start_ray_for` before it builds a
+:class:`~popmeta.population.ray_population.RayPopulation` (which only uses the
+instance it finds) and shuts it down after the population is closed.
+
 Example::
 
-    with start_ray(config.population.address):
-        train(config, RayPopulation)
+    with start_ray_for(config.population):
+        population = RayPopulation(config)
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import warnings
 from collections.abc import Iterator
 from types import TracebackType
 
-__all__ = ["LOOPBACK_ENV", "RayHandle", "apply_loopback_env", "quiet_fork", "start_ray"]
+from popmeta.config import PopulationConfig
 
-#: Environment that keeps an embedded Ray on loopback and quiet (see RAY_NOTES).
+__all__ = [
+    "LOOPBACK_ENV",
+    "RayHandle",
+    "apply_loopback_env",
+    "quiet_fork",
+    "start_ray",
+    "start_ray_for",
+]
+
+#: Environment that keeps an embedded Ray on loopback and quiet.
 #: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray take 127.0.0.1 as the node
 #: address (``--node-ip-address`` alone is silently overridden); Ray 2.60 would
 #: otherwise enable token auth and write ``~/.ray/auth_token``.
@@ -155,6 +170,18 @@ def start_ray(
         return RayHandle(_gcs_address(), started=True, joined=False)
     ray.init(address=address, **common)
     return RayHandle(_gcs_address(), started=False, joined=True)
+
+
+def start_ray_for(population: PopulationConfig) -> RayHandle:
+    """:func:`start_ray` for a run's population: joins ``population.address``, or
+    starts an embedded instance with enough logical CPUs for every actor.
+
+    Logical CPUs are a scheduling budget, not cores: an embedded instance on a
+    machine with fewer cores than ``num_actors * num_cpus`` still schedules
+    every actor (pinning then spreads them over the real cores).
+    """
+    needed = math.ceil(population.num_actors * population.num_cpus)
+    return start_ray(population.address, num_cpus=max(os.cpu_count() or 1, needed))
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from popmeta.config import Config, config_from_dict
-from popmeta.learner.aggregation import aggregate
+from popmeta.estimate import aggregate
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Gathered, Population
 from popmeta.population.ray_runtime import quiet_fork

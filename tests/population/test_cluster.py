@@ -21,7 +21,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from popmeta.learner.aggregation import aggregate
+from popmeta.estimate import aggregate
 from popmeta.learner.learner import Learner
 from popmeta.population.ray_population import RayPopulation
 from tests.population import CALL_TIMEOUT_S, quiet_fork, run_updates, tiny_config

@@ -24,10 +24,10 @@ import pytest
 import ray
 
 from popmeta.experiment import initial_theta
-from popmeta.learner.aggregation import aggregate
+from popmeta.estimate import aggregate
 from popmeta.learner.checkpoints import restore_latest
 from popmeta.learner.learner import Learner
-from popmeta.learner.loop import train
+from popmeta.train import train
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray

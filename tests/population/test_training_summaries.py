@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from popmeta.learner.loop import train
+from popmeta.train import train
 from popmeta.population.ray_population import RayPopulation
 from tests.events import read_events
 from tests.population import tiny_config

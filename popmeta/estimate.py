@@ -1,4 +1,10 @@
-"""Combining gradient estimates from many workers into one update direction."""
+"""The estimate record that crosses from workers to the learner, and its aggregation.
+
+Workers (in the driver or in Ray actors) produce :class:`Estimate` records of
+host numpy arrays; populations gather them; the run loop combines them with
+:func:`aggregate` and hands the result to the learner. This module sits below
+all three, so each of them imports it without reaching into another.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ class Estimate(NamedTuple):
       version: theta version it was computed on.
       worker: rank of the worker that computed it.
       metrics: scalar diagnostics from the estimator.
+      phases: each task's position in its trajectory (iteration / length, in
+        [0, 1]) after the call, or None where the truncated step has no
+        trajectories; a population whose tasks run in lockstep shows one value.
     """
 
     grad: Any
@@ -29,6 +38,7 @@ class Estimate(NamedTuple):
     version: int
     worker: int
     metrics: dict[str, float]
+    phases: np.ndarray | None = None
 
 
 class Aggregate(NamedTuple):

@@ -14,10 +14,10 @@ import numpy as np
 from popmeta.config import Config, config_to_dict, config_to_yaml
 from popmeta.evaluate import EvalResult, evaluate_thetas
 from popmeta.experiment import initial_theta
-from popmeta.learner.aggregation import aggregate
+from popmeta.estimate import aggregate
 from popmeta.learner.checkpoints import restore_latest, save_checkpoint
 from popmeta.learner.learner import Learner
-from popmeta.learner.summaries import RoundStats, Summaries
+from popmeta.summaries import RoundStats, Summaries
 from popmeta.population.base import Population
 
 __all__ = ["RunResult", "train"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from tensorboardX import SummaryWriter
 
-from popmeta.learner.aggregation import Aggregate
+from popmeta.estimate import Aggregate
 from popmeta.population.base import Gathered
 
 __all__ = ["RoundStats", "Summaries"]

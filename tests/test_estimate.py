@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from popmeta.learner.aggregation import Estimate, aggregate
+from popmeta.estimate import Estimate, aggregate
 
 
 def _estimate(grad, weight=1.0, loss=1.0, worker=0):
