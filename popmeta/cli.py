@@ -1,11 +1,9 @@
-"""The ``popmeta`` command line: ``train``, ``validate`` and ``eval``."""
+"""The ``popmeta`` command line: ``train``, ``validate``, ``eval`` and ``kinds``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
-import os
 import sys
 
 from popmeta.config import ConfigError, config_to_yaml, load_config
@@ -45,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         "if set, else an embedded local Ray instance",
     )
     with_config("validate", "check a config and print it fully resolved")
+    commands.add_parser(
+        "kinds", help="list every task family, learned optimizer, schedule and estimator"
+    )
     evaluate = commands.add_parser(
         "eval", help="meta-test a checkpoint against tuned hand-designed optimizers"
     )
@@ -63,18 +64,7 @@ def _train(config) -> int:
         f"{pop.num_actors} {pop.mode} worker(s) on the {pop.engine} engine, "
         f"{config.train.num_steps} steps"
     )
-    if pop.engine == "local":
-        from popmeta.population.local import LocalPopulation
-
-        result = train(config, LocalPopulation)
-    else:
-        from popmeta.population.ray_population import RayPopulation
-        from popmeta.population.ray_runtime import start_ray
-
-        # Enough logical CPUs for every actor even where the machine has fewer cores.
-        num_cpus = max(os.cpu_count() or 1, math.ceil(pop.num_actors * pop.num_cpus))
-        with start_ray(pop.address, num_cpus=num_cpus):
-            result = train(config, RayPopulation)
+    result = train(config)
     print(f"\nrun directory: {result.run_dir} (TensorBoard: tensorboard --logdir {result.run_dir})")
     print(
         f"meta-loss: {result.meta_loss_start:.4f} at start -> {result.meta_loss_end:.4f} at end "
@@ -112,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("popmeta").setLevel(logging.INFO)
     if args.command == "eval":
         return _eval(args.checkpoint, args.out)
+    if args.command == "kinds":
+        from popmeta.registry import render_markdown
+
+        print(render_markdown(), end="")
+        return 0
     try:
         overrides = list(args.overrides)
         if getattr(args, "address", None):

@@ -7,7 +7,13 @@ overrides, and everything is checked before any actor starts:
 * unknown keys fail naming the full dotted key and listing the known ones;
 * wrong types fail naming the field, the expected type and the value;
 * ``Literal`` fields list the allowed values; ``X | None`` fields accept null;
-* ranges (positive sizes, ``std > 0``, ...) fail naming the field.
+* ranges (positive sizes, ``std > 0``, ...) fail naming the field;
+* cross-field rules (an estimator that needs a schedule, a field the chosen
+  engine would ignore, ...) fail naming every field involved.
+
+The names a kind field accepts (``task.family``, ``estimator.kind``, ...) come
+from the registries of :mod:`popmeta.registry`: a kind registered there is
+accepted here and built by :mod:`popmeta.experiment`.
 
 Override values are parsed with ``yaml.safe_load`` (``0.02`` is a float, ``5``
 an int, ``null`` is None, ``true`` a bool, ``{TPU: 1}`` a mapping) and then
@@ -38,6 +44,14 @@ from typing import Any, Literal
 
 import yaml
 
+from popmeta.registry import (
+    ESTIMATORS,
+    LEARNED_OPTIMIZERS,
+    OUTER_OPTIMIZERS,
+    TASK_FAMILIES,
+    TRUNCATION_SCHEDULES,
+)
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -59,6 +73,13 @@ __all__ = [
 class ConfigError(ValueError):
     """A config file or override is unreadable, unknown, mistyped or out of range."""
 
+
+# Each kind field accepts exactly the names of its registry.
+TaskFamilyName = Literal[TASK_FAMILIES.names]
+LearnedOptimizerName = Literal[LEARNED_OPTIMIZERS.names]
+TruncationScheduleName = Literal[TRUNCATION_SCHEDULES.names]
+EstimatorName = Literal[ESTIMATORS.names]
+OuterOptimizerName = Literal[OUTER_OPTIMIZERS.names]
 
 # A problem found by a range check: (dotted field name relative to the section, message).
 _Problem = tuple[str, str]
@@ -83,19 +104,13 @@ class TaskConfig:
     """The inner problems the learned optimizer is trained on.
 
     Attributes:
-      family: task family name.
+      family: task family (``popmeta kinds`` lists them).
       dim: problem dimension of the quadratic families.
       npz_path: ``.npz`` file with ``images`` / ``labels``; required for
-        ``image_mlp_npz``.
+        ``image_mlp_npz`` and refused for every other family.
     """
 
-    family: Literal[
-        "quadratic",
-        "fixed_dim_quadratic",
-        "fixed_dim_quadratic_data",
-        "image_mlp_digits",
-        "image_mlp_npz",
-    ] = "fixed_dim_quadratic_data"
+    family: TaskFamilyName = "fixed_dim_quadratic_data"
     dim: int = 10
     npz_path: str | None = None
 
@@ -103,6 +118,12 @@ class TaskConfig:
         yield from _positive(self, "dim")
         if self.family == "image_mlp_npz" and not self.npz_path:
             yield "npz_path", "is required when task.family is 'image_mlp_npz'"
+        if self.family != "image_mlp_npz" and self.npz_path is not None:
+            yield (
+                "npz_path",
+                f"only task.family 'image_mlp_npz' reads it, and task.family is "
+                f"{self.family!r}; remove task.npz_path",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +131,7 @@ class LearnedOptimizerConfig:
     """The meta-learned optimizer (theta).
 
     Attributes:
-      kind: learned optimizer architecture.
+      kind: learned optimizer architecture (``popmeta kinds`` lists them).
       initial_lr: initial learning rate of the learnable SGD/SGDM/Adam.
       initial_momentum: initial momentum of learnable SGDM/Adam, in [0, 1).
       step_multiplier: output step scale of the MLP optimizer.
@@ -118,7 +139,7 @@ class LearnedOptimizerConfig:
       hidden_size: hidden width of the MLP optimizer.
     """
 
-    kind: Literal["learnable_sgd", "learnable_sgdm", "learnable_adam", "mlp"] = "mlp"
+    kind: LearnedOptimizerName = "mlp"
     initial_lr: float = 1e-3
     initial_momentum: float = 0.9
     step_multiplier: float = 0.001
@@ -146,7 +167,7 @@ class TruncationConfig:
       max_length: upper bound of the log-uniform schedule.
     """
 
-    schedule: Literal["constant", "log_uniform", "never_ending"] = "constant"
+    schedule: TruncationScheduleName = "constant"
     length: int = 50
     min_length: int = 10
     max_length: int = 100
@@ -165,7 +186,7 @@ class EstimatorConfig:
     """The gradient estimator each actor runs.
 
     Attributes:
-      kind: estimator.
+      kind: estimator (``popmeta kinds`` lists them).
       trunc_length: inner steps per truncation (per estimate).
       std: perturbation standard deviation sigma.
       sign_delta_loss_scalar: if set, replace the antithetic loss difference
@@ -180,7 +201,7 @@ class EstimatorConfig:
         millisecond. Throughput counts scale with it.
     """
 
-    kind: Literal["pes", "nres", "full_es", "truncated_es", "truncated_grad"] = "pes"
+    kind: EstimatorName = "pes"
     trunc_length: int = 10
     std: float = 0.01
     sign_delta_loss_scalar: float | None = None
@@ -207,13 +228,13 @@ class OuterOptimizerConfig:
     """The optax optimizer the learner applies to theta.
 
     Attributes:
-      name: optimizer.
+      name: optimizer (``popmeta kinds`` lists them).
       learning_rate: meta learning rate.
       clip_grad_norm: global-norm clip of each aggregated estimate, or null.
       weight_decay: decoupled for adamw, L2 for the others.
     """
 
-    name: Literal["adam", "adamw", "sgd", "sgdm"] = "adam"
+    name: OuterOptimizerName = "adam"
     learning_rate: float = 3e-3
     clip_grad_norm: float | None = 3.0
     weight_decay: float = 0.0
@@ -241,9 +262,13 @@ class PopulationConfig:
         (CPU-only nodes), since XLA otherwise spreads every actor over all cores.
       address: Ray address to join (``auto``), or null for an embedded instance
         (``RAY_ADDRESS`` in the environment also joins a cluster).
-      engine: ``ray`` (actors) or ``local`` (every worker in the driver, no Ray).
-      one_actor_per_node_with: if set, ignore ``num_actors`` and start one actor
-        on every node that carries this resource (e.g. ``TPU`` or ``GPU``).
+      engine: ``ray`` (actors) or ``local`` (every worker in the driver, one
+        after another, sync, no Ray). The local engine reads only
+        ``num_actors`` and ``shard_tasks`` and refuses every other field set
+        away from its default.
+      one_actor_per_node_with: if set, start one actor on every node that
+        carries this resource (e.g. ``TPU`` or ``GPU``) instead of
+        ``num_actors`` actors (which must then stay unset).
       calls_in_flight: estimate calls queued per actor in async mode, so an
         actor never idles waiting for the learner.
       env: environment variables for the actors (e.g. ``XLA_FLAGS``).
@@ -386,6 +411,62 @@ class Config:
             if dataclasses.is_dataclass(section):
                 for name, message in section._problems():
                     yield f"{field.name}.{name}", message
+        yield from self._cross_field_problems()
+
+    def _cross_field_problems(self) -> Iterator[_Problem]:
+        """Rules that tie fields of different sections (names are absolute)."""
+        est, pop = self.estimator, self.population
+        if est.kind == "full_es" and self.truncation.schedule != "constant":
+            yield (
+                "estimator.kind",
+                "'full_es' unrolls whole episodes of truncation.length steps and needs "
+                f"truncation.schedule: constant, got truncation.schedule: "
+                f"{self.truncation.schedule!r}",
+            )
+        if est.kind == "truncated_grad":
+            for name in ("sign_delta_loss_scalar", "clip_loss_diff"):
+                if getattr(est, name) is not None:
+                    yield (
+                        f"estimator.{name}",
+                        "only the antithetic estimators use it, and estimator.kind is "
+                        "'truncated_grad'; remove it",
+                    )
+        defaults = PopulationConfig()
+        if pop.engine == "local":
+            for name in _RAY_ENGINE_FIELDS:
+                value = getattr(pop, name)
+                if value != getattr(defaults, name):
+                    yield (
+                        f"population.{name}",
+                        f"the local engine runs every worker in the driver, one after another "
+                        f"(sync), and would ignore it (got {value!r}); remove it or set "
+                        "population.engine: ray",
+                    )
+        if pop.one_actor_per_node_with is not None and pop.num_actors != defaults.num_actors:
+            yield (
+                "population.num_actors",
+                f"one_actor_per_node_with={pop.one_actor_per_node_with!r} starts one actor on "
+                f"every node carrying that resource and would ignore num_actors="
+                f"{pop.num_actors}; remove one of them",
+            )
+
+
+#: Population fields that only the Ray engine reads; the local engine refuses them.
+_RAY_ENGINE_FIELDS = (
+    "mode",
+    "batch_size",
+    "max_staleness",
+    "calls_in_flight",
+    "num_cpus",
+    "num_gpus",
+    "resources",
+    "pin_cpus",
+    "address",
+    "one_actor_per_node_with",
+    "env",
+    "call_timeout_s",
+    "max_actor_restarts",
+)
 
 
 # --------------------------------------------------------------------------

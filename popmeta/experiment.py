@@ -1,51 +1,21 @@
-"""Builds the core objects of a run from its config.
+"""Builds the core objects of a run from its config, through the registries.
 
 Everything JAX is built from the (picklable) config wherever it runs: in the
-driver for the local engine, inside each actor for the Ray engine.
+driver for the local engine, inside each actor for the Ray engine. Which class
+a name stands for is decided in :mod:`popmeta.registry`, not here.
 """
 
 from __future__ import annotations
 
 import jax
 
-from popmeta.config import (
-    Config,
-    EstimatorConfig,
-    LearnedOptimizerConfig,
-    TaskConfig,
-    TruncationConfig,
-)
-from popmeta.core.estimators import (
-    FullES,
-    GradientEstimator,
-    NoiseReuseES,
-    TruncatedES,
-    TruncatedGrad,
-    TruncatedPES,
-)
-from popmeta.core.learned_optimizers import (
-    LearnableAdam,
-    LearnableSGD,
-    LearnableSGDM,
-    LearnedOptimizer,
-    MLPLOpt,
-)
+from popmeta.config import Config, LearnedOptimizerConfig, TaskConfig, TruncationConfig
+from popmeta.core.estimators import GradientEstimator
+from popmeta.core.learned_optimizers import LearnedOptimizer
 from popmeta.core.lopt_truncated_step import VectorizedLOptTruncatedStep
-from popmeta.core.tasks import (
-    FixedDimQuadraticFamily,
-    FixedDimQuadraticFamilyData,
-    ImageMLP_Digits8_Relu32,
-    ImageMLP_Npz8_Relu32,
-    QuadraticTask,
-    TaskFamily,
-    single_task_to_family,
-)
-from popmeta.core.truncation import (
-    ConstantTruncationSchedule,
-    LogUniformLengthSchedule,
-    NeverEndingTruncationSchedule,
-    TruncationSchedule,
-)
+from popmeta.core.tasks import TaskFamily
+from popmeta.core.truncation import TruncationSchedule
+from popmeta.registry import ESTIMATORS, LEARNED_OPTIMIZERS, TASK_FAMILIES, TRUNCATION_SCHEDULES
 
 __all__ = [
     "build_estimator",
@@ -59,46 +29,15 @@ __all__ = [
 
 
 def build_task_family(cfg: TaskConfig) -> TaskFamily:
-    match cfg.family:
-        case "quadratic":
-            return single_task_to_family(QuadraticTask(cfg.dim))
-        case "fixed_dim_quadratic":
-            return FixedDimQuadraticFamily(cfg.dim)
-        case "fixed_dim_quadratic_data":
-            return FixedDimQuadraticFamilyData(cfg.dim)
-        case "image_mlp_digits":
-            return single_task_to_family(ImageMLP_Digits8_Relu32())
-        case "image_mlp_npz":
-            return single_task_to_family(ImageMLP_Npz8_Relu32(cfg.npz_path))
-    raise ValueError(f"task.family: unknown family {cfg.family!r}")
+    return TASK_FAMILIES.build(cfg.family, cfg)
 
 
 def build_learned_optimizer(cfg: LearnedOptimizerConfig) -> LearnedOptimizer:
-    match cfg.kind:
-        case "learnable_sgd":
-            return LearnableSGD(initial_lr=cfg.initial_lr)
-        case "learnable_sgdm":
-            return LearnableSGDM(initial_lr=cfg.initial_lr, initial_momentum=cfg.initial_momentum)
-        case "learnable_adam":
-            return LearnableAdam(initial_lr=cfg.initial_lr, initial_beta1=cfg.initial_momentum)
-        case "mlp":
-            return MLPLOpt(
-                step_multiplier=cfg.step_multiplier,
-                magnitude_multiplier=cfg.magnitude_multiplier,
-                hidden_size=cfg.hidden_size,
-            )
-    raise ValueError(f"learned_optimizer.kind: unknown kind {cfg.kind!r}")
+    return LEARNED_OPTIMIZERS.build(cfg.kind, cfg)
 
 
 def build_truncation_schedule(cfg: TruncationConfig) -> TruncationSchedule:
-    match cfg.schedule:
-        case "constant":
-            return ConstantTruncationSchedule(cfg.length)
-        case "log_uniform":
-            return LogUniformLengthSchedule(cfg.min_length, cfg.max_length)
-        case "never_ending":
-            return NeverEndingTruncationSchedule()
-    raise ValueError(f"truncation.schedule: unknown schedule {cfg.schedule!r}")
+    return TRUNCATION_SCHEDULES.build(cfg.schedule, cfg)
 
 
 def build_truncated_step(cfg: Config) -> VectorizedLOptTruncatedStep:
@@ -112,30 +51,7 @@ def build_truncated_step(cfg: Config) -> VectorizedLOptTruncatedStep:
 
 
 def build_estimator(cfg: Config) -> GradientEstimator:
-    step = build_truncated_step(cfg)
-    est: EstimatorConfig = cfg.estimator
-    options = {
-        "std": est.std,
-        "sign_delta_loss_scalar": est.sign_delta_loss_scalar,
-        "clip_loss_diff": est.clip_loss_diff,
-    }
-    match est.kind:
-        case "pes":
-            return TruncatedPES(step, est.trunc_length, **options)
-        case "nres":
-            return NoiseReuseES(step, est.trunc_length, **options)
-        case "truncated_es":
-            return TruncatedES(step, est.trunc_length, **options)
-        case "full_es":
-            if cfg.truncation.schedule != "constant":
-                raise ValueError(
-                    "estimator.kind: full_es needs truncation.schedule: constant "
-                    f"(got {cfg.truncation.schedule!r})"
-                )
-            return FullES(step, cfg.truncation.length, **options)
-        case "truncated_grad":
-            return TruncatedGrad(step, est.trunc_length)
-    raise ValueError(f"estimator.kind: unknown kind {est.kind!r}")
+    return ESTIMATORS.build(cfg.estimator.kind, build_truncated_step(cfg), cfg)
 
 
 def learner_keys(config: Config) -> tuple[jax.Array, jax.Array]:

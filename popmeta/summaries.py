@@ -38,13 +38,16 @@ class RoundStats:
 
     Rates (estimates/s, inner-steps/s) are measured over the whole window, so
     they include gathering, aggregation and the update; counts of dropped,
-    rejected and restarted are totals since the run (re)started.
+    rejected and restarted are totals since the run (re)started, overall and
+    (for drops) per actor rank. The ``trajectory_phase`` histogram pools every
+    actor's latest task phases: a population in lockstep shows one spike, a
+    decorrelated one a flat histogram.
     """
 
     def __init__(self, steps_per_estimate: int, task_family: str):
         self.steps_per_estimate = steps_per_estimate
         self.task_family = task_family
-        self.dropped_stale = 0
+        self.dropped_stale_by_actor: dict[int, int] = defaultdict(int)
         self.rejected_nonfinite = 0
         self.restarts = 0
         self.last_estimates_per_s = 0.0
@@ -59,11 +62,13 @@ class RoundStats:
         self._norms: dict[str, list[float]] = defaultdict(list)
         self._actor_time: dict[int, float] = defaultdict(float)
         self._actor_count: dict[int, int] = defaultdict(int)
+        self._phases: dict[int, np.ndarray] = {}
 
     def add_round(self, gathered: Gathered, agg: Aggregate) -> None:
         self._num_estimates += len(gathered.estimates)
         self._staleness.extend(gathered.staleness)
-        self.dropped_stale += gathered.dropped_stale
+        for rank, dropped in gathered.dropped_stale.items():
+            self.dropped_stale_by_actor[rank] += dropped
         self.restarts += gathered.restarted
         self.rejected_nonfinite += agg.num_rejected_nonfinite
         if agg.grad is not None:
@@ -71,6 +76,8 @@ class RoundStats:
         for estimate in gathered.estimates:
             self._actor_time[estimate.worker] += estimate.metrics.get("compute_time_s", 0.0)
             self._actor_count[estimate.worker] += 1
+            if estimate.phases is not None:
+                self._phases[estimate.worker] = estimate.phases
 
     def add_update(self, seconds: float, norms: Mapping[str, float]) -> None:
         self._update_times.append(seconds)
@@ -87,7 +94,7 @@ class RoundStats:
             "learner_update_time": np.mean(self._update_times) if self._update_times else 0.0,
             "estimates_per_s": self.last_estimates_per_s,
             "inner_steps_per_s": self.last_estimates_per_s * self.steps_per_estimate,
-            "dropped_stale": self.dropped_stale,
+            "dropped_stale": sum(self.dropped_stale_by_actor.values()),
             "rejected_nonfinite": self.rejected_nonfinite,
             "actor_restarts": self.restarts,
             "live_actors": live_actors,
@@ -99,6 +106,11 @@ class RoundStats:
             values["staleness_mean"] = np.mean(self._staleness)
             values["staleness_max"] = np.max(self._staleness)
             summaries.histogram(step, "staleness", np.asarray(self._staleness))
+        for rank, dropped in self.dropped_stale_by_actor.items():
+            values[f"dropped_stale_by_actor/{rank}"] = dropped
+        if self._phases:
+            phases = np.concatenate([self._phases[rank] for rank in sorted(self._phases)])
+            summaries.histogram(step, "trajectory_phase", phases)
         for worker, seconds in self._actor_time.items():
             if seconds > 0:
                 rate = self._actor_count[worker] * self.steps_per_estimate / seconds

@@ -1,26 +1,37 @@
-"""The meta-training loop: gather estimates, aggregate, update theta, log, checkpoint."""
+"""The meta-training loop: gather estimates, aggregate, update theta, log, checkpoint.
+
+This is the top of the run: it owns the population (and, for the Ray engine,
+the Ray runtime it needs), the learner, the TensorBoard summaries and the
+checkpoints, and it closes them in an order that keeps the run directory
+consistent whatever fails: the final checkpoint is written first, then the
+event files are closed, then the population and finally Ray are shut down.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from popmeta.config import Config, config_to_dict, config_to_yaml
+from popmeta.estimate import aggregate
 from popmeta.evaluate import EvalResult, evaluate_thetas
 from popmeta.experiment import initial_theta
-from popmeta.estimate import aggregate
 from popmeta.learner.checkpoints import restore_latest, save_checkpoint
 from popmeta.learner.learner import Learner
-from popmeta.summaries import RoundStats, Summaries
 from popmeta.population.base import Population
+from popmeta.population.local import LocalPopulation
+from popmeta.population.ray_population import RayPopulation
+from popmeta.population.ray_runtime import start_ray_for
+from popmeta.summaries import RoundStats, Summaries
 
-__all__ = ["RunResult", "train"]
+__all__ = ["RunResult", "open_population", "train"]
 
 log = logging.getLogger("popmeta")
 
@@ -64,9 +75,50 @@ class _Progress:
             self.bar.close()
 
 
+PopulationFactory = Callable[[Config], Population]
+
+
+@contextlib.contextmanager
+def open_population(
+    config: Config, factory: PopulationFactory | None = None
+) -> Iterator[Population]:
+    """The population of ``config`` with the runtime it needs, closed on exit.
+
+    Args:
+      config: the run's config; ``population.engine`` picks the population.
+      factory: builds the population instead; the caller then owns whatever
+        runtime it needs (e.g. a Ray instance a test session started).
+
+    Yields:
+      The population. On exit it is closed, and then the Ray instance this
+      function started (an embedded one; a joined cluster is left running).
+    """
+    if factory is not None:
+        runtime: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    elif config.population.engine == "local":
+        runtime, factory = contextlib.nullcontext(), LocalPopulation
+    else:
+        runtime, factory = start_ray_for(config.population), RayPopulation
+    with runtime:
+        population = factory(config)
+        try:
+            yield population
+        finally:
+            population.close()
+
+
+def _placement(actors: list[dict[str, Any]]) -> str:
+    nodes = {actor["node_id"] for actor in actors}
+    text = f"{len(actors)} actor(s) on {len(nodes)} node(s)"
+    pinned = [actor.get("pinned_cores") for actor in actors]
+    if any(pinned):
+        text += ", pinned to cores " + " ".join(str(cores) for cores in pinned)
+    return text
+
+
 def train(
     config: Config,
-    population_factory: Callable[[Config], Population],
+    population_factory: PopulationFactory | None = None,
     stream=None,
 ) -> RunResult:
     """Meta-trains theta for ``config.train.num_steps`` outer steps, resuming if possible.
@@ -74,6 +126,13 @@ def train(
     Writes ``config.yaml``, TensorBoard events and checkpoints under
     ``run_dir/name``. Ctrl-C stops after the current step, saves a checkpoint
     and closes the event files: the run directory stays consistent.
+
+    Args:
+      config: the run's config.
+      population_factory: builds the population; by default the one
+        ``population.engine`` names, with the runtime it needs (see
+        :func:`open_population`).
+      stream: where progress lines go (default stdout).
     """
     stream = stream or sys.stdout
     run_dir = Path(config.run_dir) / config.name
@@ -88,10 +147,6 @@ def train(
         print(f"resumed from {restored.path} at step {learner.version}", file=stream)
 
     tcfg = config.train
-    population = population_factory(config)
-    summaries = Summaries(run_dir)
-    stats = RoundStats(population.steps_per_estimate, config.task.family)
-    progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every)
     meta_losses: list[float] = []
     interrupted = False
     failures = 0
@@ -105,52 +160,59 @@ def train(
             metadata={"config": config_to_dict(config)},
         )
 
-    try:
-        while learner.version < tcfg.num_steps:
-            gathered = population.gather(learner.theta(), learner.version)
-            agg = aggregate(gathered.estimates)
-            stats.add_round(gathered, agg)
-            if agg.grad is None:
-                failures += 1
-                log.warning(
-                    "step %d: no usable estimate (%d non-finite); theta unchanged",
-                    learner.version,
-                    agg.num_rejected_nonfinite,
-                )
-                if failures >= MAX_FAILED_ROUNDS:
-                    raise RuntimeError(
-                        f"{failures} rounds in a row without a finite estimate at step "
-                        f"{learner.version}; the last checkpoint is kept in {ckpt_dir}"
+    # Closed last-in first-out: the progress bar, the event files, then the
+    # population and its runtime. The final checkpoint comes before all of them.
+    with contextlib.ExitStack() as closing:
+        population = closing.enter_context(open_population(config, population_factory))
+        print(_placement(population.describe_actors()), file=stream)
+        summaries = Summaries(run_dir)
+        closing.callback(summaries.close)
+        stats = RoundStats(population.steps_per_estimate, config.task.family)
+        progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every)
+        closing.callback(progress.close)
+        try:
+            while learner.version < tcfg.num_steps:
+                gathered = population.gather(learner.theta(), learner.version)
+                agg = aggregate(gathered.estimates)
+                stats.add_round(gathered, agg)
+                if agg.grad is None:
+                    failures += 1
+                    log.warning(
+                        "step %d: no usable estimate (%d non-finite); theta unchanged",
+                        learner.version,
+                        agg.num_rejected_nonfinite,
                     )
-                continue
-            failures = 0
-            update_start = time.perf_counter()
-            norms = learner.apply(agg)
-            stats.add_update(time.perf_counter() - update_start, norms)
-            step = learner.version
-            meta_losses.append(agg.mean_loss)
-            if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
-                stats.write(summaries, step, population.num_live)
-            if step % tcfg.checkpoint_every == 0:
-                checkpoint()
-            progress.update(
-                step,
-                tcfg.num_steps,
-                {
-                    "meta_loss": f"{agg.mean_loss:.4f}",
-                    "est/s": f"{stats.last_estimates_per_s:.1f}",
-                    "actors": str(population.num_live),
-                },
-            )
-    except KeyboardInterrupt:
-        interrupted = True
-        progress.close()
-        print("\ninterrupted: saving a checkpoint and closing the run", file=stream)
-    finally:
-        progress.close()
-        population.close()
-        checkpoint()
-        summaries.close()
+                    if failures >= MAX_FAILED_ROUNDS:
+                        raise RuntimeError(
+                            f"{failures} rounds in a row without a finite estimate at step "
+                            f"{learner.version}; the last checkpoint is kept in {ckpt_dir}"
+                        )
+                    continue
+                failures = 0
+                update_start = time.perf_counter()
+                norms = learner.apply(agg)
+                stats.add_update(time.perf_counter() - update_start, norms)
+                step = learner.version
+                meta_losses.append(agg.mean_loss)
+                if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
+                    stats.write(summaries, step, population.num_live)
+                if step % tcfg.checkpoint_every == 0:
+                    checkpoint()
+                progress.update(
+                    step,
+                    tcfg.num_steps,
+                    {
+                        "meta_loss": f"{agg.mean_loss:.4f}",
+                        "est/s": f"{stats.last_estimates_per_s:.1f}",
+                        "actors": str(population.num_live),
+                    },
+                )
+        except KeyboardInterrupt:
+            interrupted = True
+            progress.close()
+            print("\ninterrupted: saving a checkpoint and closing the run", file=stream)
+        finally:
+            checkpoint()
 
     window = max(1, len(meta_losses) // 10)
     start_loss = float(np.mean(meta_losses[:window])) if meta_losses else float("nan")

@@ -262,3 +262,41 @@ def test_unreadable_or_non_mapping_yaml_names_file(tmp_path):
         load_config(binary)
     with pytest.raises(ConfigError, match="config: expected a mapping"):
         config_from_dict([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fields"),
+    [
+        (
+            ["estimator.kind=full_es", "truncation.schedule=log_uniform"],
+            ["estimator.kind", "truncation.schedule", "'log_uniform'"],
+        ),
+        (["estimator.kind=truncated_grad", "estimator.clip_loss_diff=1"], ["clip_loss_diff"]),
+        (["task.npz_path=x.npz"], ["task.npz_path", "image_mlp_npz"]),
+        (["population.engine=local", "population.mode=async"], ["population.mode", "local"]),
+        (["population.engine=local", "population.address=auto"], ["population.address"]),
+        (["population.engine=local", "population.batch_size=4"], ["population.batch_size"]),
+        (["population.engine=local", "population.max_staleness=0"], ["max_staleness"]),
+        (["population.engine=local", "population.env={A: b}"], ["population.env"]),
+        (
+            ["population.one_actor_per_node_with=TPU", "population.num_actors=4"],
+            ["population.num_actors", "'TPU'"],
+        ),
+    ],
+)
+def test_cross_field_rules_fail_before_anything_starts(overrides, fields):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for field in fields:
+        assert field in str(info.value)
+
+
+def test_cross_field_rules_let_valid_combinations_through():
+    local = load_config(None, ["population.engine=local", "population.num_actors=3"])
+    assert local.population.num_actors == 3 and local.population.shard_tasks
+    full_es = load_config(None, ["estimator.kind=full_es", "truncation.schedule=constant"])
+    assert full_es.estimator.kind == "full_es"
+    per_node = load_config(None, ["population.one_actor_per_node_with=TPU"])
+    assert per_node.population.one_actor_per_node_with == "TPU"
+    npz = load_config(None, ["task.family=image_mlp_npz", "task.npz_path=x.npz"])
+    assert npz.task.npz_path == "x.npz"

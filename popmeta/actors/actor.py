@@ -121,7 +121,7 @@ class EstimatorActor:
           version: the learner version theta belongs to.
 
         Returns:
-          The estimate with numpy leaves and float metrics.
+          The estimate with numpy leaves (``phases`` included) and float metrics.
         """
         est = self._worker.compute(theta, version)
         return est._replace(
@@ -129,11 +129,8 @@ class EstimatorActor:
             mean_loss=float(est.mean_loss),
             weight=float(est.weight),
             metrics={k: float(v) for k, v in est.metrics.items()},
+            phases=None if est.phases is None else np.asarray(est.phases),
         )
-
-    def trajectory_phases(self) -> np.ndarray:
-        """Each task's position in its trajectory (iteration / length); empty before a call."""
-        return np.asarray(self._worker.trajectory_phases())
 
     def info(self) -> dict[str, Any]:
         """Where and how this actor runs.

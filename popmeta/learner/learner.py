@@ -8,8 +8,8 @@ import jax
 import numpy as np
 
 from popmeta.config import Config
-from popmeta.experiment import initial_theta, learner_keys
 from popmeta.estimate import Aggregate
+from popmeta.experiment import initial_theta, learner_keys
 from popmeta.learner.train_state import TrainState, build_apply_estimate_fn, make_outer_optimizer
 
 __all__ = ["Learner"]

@@ -1,7 +1,7 @@
 """The learner's state and its jitted optax step.
 
 Everything here is pure: pytrees in, pytrees out, no Ray and no I/O. The shell
-(`popmeta.learner` aggregation, the population, the CLI) owns the side effects.
+(the population, the run loop, the CLI) owns the side effects.
 
 Two step builders share one update path:
 
@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+
+from popmeta.registry import OUTER_OPTIMIZERS
 
 __all__ = [
     "LossFn",
@@ -269,9 +271,6 @@ def build_apply_estimate_fn(
     )
 
 
-_OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgdm")
-
-
 def make_outer_optimizer(
     name: str,
     learning_rate: float | optax.Schedule,
@@ -290,7 +289,8 @@ def make_outer_optimizer(
     the raw estimate, before any weight decay or moment accumulation.
 
     Args:
-      name: one of ``"adam"``, ``"adamw"``, ``"sgd"``, ``"sgdm"``.
+      name: an entry of :data:`popmeta.registry.OUTER_OPTIMIZERS` (``"adam"``,
+        ``"adamw"``, ``"sgd"``, ``"sgdm"``).
       learning_rate: step size or optax schedule.
       clip_grad_norm: max global norm of the incoming gradient, or None.
       weight_decay: for ``"adamw"``, decoupled weight decay (``optax.adamw``).
@@ -308,25 +308,17 @@ def make_outer_optimizer(
       ValueError: for an unknown name or a non-positive clip norm / negative
         weight decay.
     """
-    if name not in _OPTIMIZER_NAMES:
-        raise ValueError(f"unknown outer optimizer {name!r}; expected one of {_OPTIMIZER_NAMES}")
+    if name not in OUTER_OPTIMIZERS:
+        raise ValueError(
+            f"unknown outer optimizer {name!r}; expected one of {OUTER_OPTIMIZERS.names}"
+        )
     if clip_grad_norm is not None and clip_grad_norm <= 0:
         raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
-    parts: list[optax.GradientTransformation] = []
-    if clip_grad_norm is not None:
-        parts.append(optax.clip_by_global_norm(clip_grad_norm))
-    if name == "adamw":
-        parts.append(optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
-    else:
-        if weight_decay > 0:
-            parts.append(optax.add_decayed_weights(weight_decay))
-        if name == "adam":
-            parts.append(optax.adam(learning_rate, b1=b1, b2=b2, eps=eps))
-        elif name == "sgd":
-            parts.append(optax.sgd(learning_rate))
-        else:
-            parts.append(optax.sgd(learning_rate, momentum=momentum))
-    return optax.chain(*parts)
+    clip = [] if clip_grad_norm is None else [optax.clip_by_global_norm(clip_grad_norm)]
+    rest = OUTER_OPTIMIZERS.build(
+        name, learning_rate, weight_decay, momentum=momentum, b1=b1, b2=b2, eps=eps
+    )
+    return optax.chain(*clip, *rest)

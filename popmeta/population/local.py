@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
 from popmeta.actors.worker import EstimatorWorker
@@ -12,7 +14,11 @@ __all__ = ["LocalPopulation"]
 
 
 class LocalPopulation:
-    """``population.num_actors`` workers with ranks 0..N-1, run in rank order (sync mode)."""
+    """``population.num_actors`` workers with ranks 0..N-1, run in rank order (sync mode).
+
+    Nothing is ever stale, dropped or replaced: every :meth:`gather` returns one
+    estimate per worker on the version asked for.
+    """
 
     def __init__(self, config: Config):
         self.workers = [
@@ -29,7 +35,24 @@ class LocalPopulation:
 
     def gather(self, theta: Any, version: int) -> Gathered:
         estimates = [worker.compute(theta, version) for worker in self.workers]
-        return Gathered(estimates, [0] * len(estimates))
+        return Gathered(estimates, [0] * len(estimates), {}, 0)
+
+    def describe_actors(self) -> list[dict[str, Any]]:
+        """Each worker, in rank order: all in this process (``node_id`` ``"local"``), unpinned."""
+        return [
+            {
+                "rank": worker.rank,
+                "restart": 0,
+                "node_id": "local",
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+                "pinned_cores": None,
+                "num_devices": int(worker.num_devices),
+                "num_tasks": int(worker.num_tasks),
+                "steps_per_estimate": int(worker.steps_per_estimate),
+            }
+            for worker in self.workers
+        ]
 
     def close(self) -> None:
         self.workers = []

@@ -1,15 +1,22 @@
-"""EstimatorWorker: keys, several truncations per call, and task sharding over local devices.
+"""EstimatorWorker: keys, several truncations per call, phases, and sharding over devices.
 
-The sharding tests run in a subprocess with ``XLA_FLAGS`` forcing four host
-devices, since the flag only takes effect before JAX initialises; the
-subprocess runs :func:`check_sharded_matches_single_device` from this module.
+The sharding checks need several devices, which ``XLA_FLAGS`` can force on the
+host only before JAX initialises. So one subprocess with four forced host
+devices runs every such check selected in this session
+(:func:`run_forced_device_checks`), started with the module so that it runs
+while the in-process tests do, and reports each check's outcome as JSON; each
+test then passes or fails on its own check.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -18,10 +25,18 @@ import pytest
 
 from popmeta.actors.worker import EstimatorWorker, worker_key
 from popmeta.config import config_from_dict
+from popmeta.core.estimators import (
+    EstimateRunner,
+    ShardedRunner,
+    SingleDeviceRunner,
+    make_runner,
+)
 from popmeta.experiment import build_estimator, build_learned_optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_DEVICES = 4
+#: The first forced-device test also waits for the subprocess behind all of them (its fixture).
+FORCED_DEVICE_TIMEOUT_S = 600
 
 
 def _config(kind="pes", num_tasks=4, truncations_per_call=1, shard_tasks=True, **estimator):
@@ -57,10 +72,23 @@ def _leaves(tree):
 def test_single_device_worker_runs_unsharded():
     assert len(jax.local_devices()) == 1  # the in-process tests see the default device
     worker = EstimatorWorker(_config(shard_tasks=True), rank=0)
-    assert worker.sharding is None
+    assert isinstance(worker.runner, SingleDeviceRunner)
+    assert isinstance(worker.runner, EstimateRunner)
+    # The estimator's own runner: shared with estimator.compute_gradient_estimate.
+    assert worker.runner is worker.estimator.runner
     assert worker.num_devices == 1
     assert worker.num_tasks == 4
-    assert worker.trajectory_phases().shape == (0,)
+
+
+def test_make_runner_shards_only_over_several_devices():
+    estimator = build_estimator(_config())
+    assert make_runner(estimator) is estimator.runner
+    assert make_runner(estimator, jax.local_devices()) is estimator.runner
+    with pytest.raises(ValueError, match="at least one device"):
+        ShardedRunner(estimator, [])
+    # A one-device mesh is allowed (it commits the state to that device).
+    one_device = ShardedRunner(estimator, jax.local_devices())
+    assert isinstance(one_device, EstimateRunner) and one_device.num_devices == 1
 
 
 def test_steps_per_estimate_counts_truncations_per_call():
@@ -77,6 +105,7 @@ def test_one_truncation_per_call_is_the_estimator_called_directly():
     root = worker_key(config.seed, 1)
     theta = _theta(config)
     state = estimator.init_worker_state(theta, root)
+    phases = []
     for version in range(3):
         estimate = worker.compute(theta, version)
         out, metrics = estimator.compute_gradient_estimate(
@@ -90,7 +119,15 @@ def test_one_truncation_per_call_is_the_estimator_called_directly():
         assert (estimate.version, estimate.worker) == (version, 1)
         assert estimate.metrics["compute_time_s"] > 0
         assert estimate.metrics["num_done"] == float(metrics["num_done"])
-    assert worker.trajectory_phases().shape == (4,)
+        # The phases travel with the estimate: each task's, after the call.
+        expected_phases = estimator.truncated_step.trajectory_phase(estimator.unroll_state(state))
+        assert estimate.phases.shape == (4,) and estimate.phases.dtype == np.float32
+        np.testing.assert_array_equal(estimate.phases, np.asarray(expected_phases, np.float32))
+        phases.append(estimate.phases)
+    # Trajectories of 12 steps, 5 steps per call: the phases move between calls.
+    assert not np.array_equal(phases[0], phases[1])
+    assert all(np.all((p >= 0) & (p <= 1)) for p in phases)
+    assert worker._phases._cache_size() == 1  # one compiled function for every call
 
 
 def test_several_truncations_per_call_are_one_estimate_many_call():
@@ -103,8 +140,8 @@ def test_several_truncations_per_call_are_one_estimate_many_call():
     num_done = 0.0
     for version in range(2):
         estimate = worker.compute(theta, version)
-        out, metrics = estimator.compute_gradient_estimates(
-            theta, state, jax.random.fold_in(root, version + 1), 3
+        out, metrics = estimator.compute_gradient_estimate(
+            theta, state, jax.random.fold_in(root, version + 1), num_truncations=3
         )
         state = out.state
         for a, b in zip(jax.tree_util.tree_leaves(estimate.grad), _leaves(out.grad), strict=True):
@@ -114,7 +151,8 @@ def test_several_truncations_per_call_are_one_estimate_many_call():
         assert set(estimate.metrics) == {*metrics, "compute_time_s"}
         num_done += estimate.metrics["num_done"]
     assert num_done >= 4  # 30 steps per task on trajectories of 12
-    assert worker.estimator.jitted_estimate_many(3)._cache_size() == 1
+    assert estimate.phases.shape == (4,)
+    assert worker.runner.jitted_estimate(3)._cache_size() == 1
 
 
 def test_every_call_gets_a_distinct_key_even_on_the_same_version():
@@ -148,7 +186,7 @@ def test_every_call_gets_a_distinct_key_even_on_the_same_version():
     )
 
 
-# -- sharding over local devices (subprocess with forced host devices) ------------------
+# -- sharding over local devices (one subprocess with forced host devices) ---------------
 
 
 def _assert_sharded(worker, state, num_devices):
@@ -177,8 +215,8 @@ def check_sharded_matches_single_device(kind: str, truncations_per_call: int) ->
     single = EstimatorWorker(
         _config(kind, num_tasks, truncations_per_call, shard_tasks=False), rank=2
     )
-    assert sharded.sharding is not None and sharded.num_devices == NUM_DEVICES
-    assert single.sharding is None and single.num_devices == 1
+    assert isinstance(sharded.runner, ShardedRunner) and sharded.num_devices == NUM_DEVICES
+    assert isinstance(single.runner, SingleDeviceRunner) and single.num_devices == 1
     assert sharded.steps_per_estimate == single.steps_per_estimate
 
     theta = _theta(_config(kind))
@@ -198,7 +236,11 @@ def check_sharded_matches_single_device(kind: str, truncations_per_call: int) ->
         for name in a.metrics:
             if name != "compute_time_s":
                 np.testing.assert_allclose(a.metrics[name], b.metrics[name], rtol=1e-5)
-        np.testing.assert_allclose(sharded.trajectory_phases(), single.trajectory_phases())
+        if kind == "full_es":  # fresh episodes on every call: no trajectories to report
+            assert a.phases is None and b.phases is None
+        else:
+            assert a.phases.shape == (num_tasks,) and a.phases.dtype == np.float32
+            np.testing.assert_allclose(a.phases, b.phases)
         num_done += b.metrics.get("num_done", 0.0)
         _assert_sharded(sharded, sharded._state, NUM_DEVICES)
         previous = jax.tree_util.tree_leaves(sharded._state)
@@ -212,45 +254,142 @@ def check_indivisible_num_tasks_is_refused() -> None:
     assert len(jax.local_devices()) == NUM_DEVICES
     with pytest.raises(ValueError, match=r"estimator\.num_tasks \(6\).*local devices \(4"):
         EstimatorWorker(_config(num_tasks=6), rank=0)
+    with pytest.raises(ValueError, match=r"num_tasks \(6\).*devices \(4\)"):
+        make_runner(build_estimator(_config(num_tasks=6)), jax.local_devices())
     # Without sharding any num_tasks works.
     worker = EstimatorWorker(_config(num_tasks=6, shard_tasks=False), rank=0)
-    assert worker.sharding is None
+    assert isinstance(worker.runner, SingleDeviceRunner)
 
 
-def _run_with_forced_devices(call: str) -> None:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    code = f"import tests.actors.test_worker as t; t.{call}"
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+SHARDED_CASES = [
+    ("pes", 1),
+    ("pes", 3),
+    ("nres", 2),
+    ("truncated_es", 1),
+    ("truncated_grad", 2),
+    ("full_es", 1),
+]
+
+#: Every check that needs the forced devices, by name.
+FORCED_DEVICE_CHECKS: dict[str, Callable[[], None]] = {
+    **{
+        f"sharded[{kind}-{k}]": functools.partial(check_sharded_matches_single_device, kind, k)
+        for kind, k in SHARDED_CASES
+    },
+    "indivisible": check_indivisible_num_tasks_is_refused,
+}
+
+
+def run_forced_device_checks(names: list[str]) -> dict[str, str | None]:
+    """Runs the named checks in this process; per check, None if it passed, else its traceback."""
+    results: dict[str, str | None] = {}
+    for name in names:
+        try:
+            FORCED_DEVICE_CHECKS[name]()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+def _check_of(item: pytest.Item) -> str | None:
+    """The forced-device check a test of this module reports, or None."""
+    if item.originalname == "test_sharded_worker_matches_single_device_worker":
+        return f"sharded[{item.callspec.id}]"
+    if item.originalname == "test_num_tasks_not_divisible_by_device_count_is_refused":
+        return "indivisible"
+    return None
+
+
+class ForcedDeviceRun:
+    """The subprocess that runs the named forced-device checks, started at once.
+
+    Its output goes to files next to ``out`` (pipes could fill up and block it
+    while the in-process tests run).
+    """
+
+    def __init__(self, names: list[str], out: Path):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+        ).strip()
+        env["JAX_PLATFORMS"] = "cpu"
+        code = (
+            "import json, sys; import tests.actors.test_worker as t; "
+            "json.dump(t.run_forced_device_checks(sys.argv[2:]), open(sys.argv[1], 'w'))"
+        )
+        self.out = out
+        self.log = out.with_suffix(".log")
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, str(out), *names],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def results(self, timeout: float) -> dict[str, str | None]:
+        """Waits for the subprocess and returns each check's outcome (None: passed)."""
+        try:
+            returncode = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        assert returncode == 0, f"checks crashed:\n{self.log.read_text()[-6000:]}"
+        return json.loads(self.out.read_text())
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forced_device_run(request, tmp_path_factory):
+    """Starts the forced-device checks of the tests selected in this session, if any.
+
+    One subprocess runs them all (each would otherwise pay for its own JAX
+    start-up), in the background while this module's in-process tests run.
+    """
+    names = sorted(
+        {
+            name
+            for item in request.session.items
+            if item.module is request.module and (name := _check_of(item)) is not None
+        }
     )
-    assert result.returncode == 0, f"{call} failed:\n{result.stdout}\n{result.stderr[-6000:]}"
+    if not names:
+        yield None
+        return
+    run = ForcedDeviceRun(names, tmp_path_factory.mktemp("forced_devices") / "results.json")
+    yield run
+    run.stop()
 
 
+@pytest.fixture(scope="module")
+def forced_device_results(forced_device_run: ForcedDeviceRun) -> dict[str, str | None]:
+    """Outcomes of the forced-device checks, by name; None for a check that passed."""
+    return forced_device_run.results(timeout=FORCED_DEVICE_TIMEOUT_S - 30)
+
+
+def _assert_check_passed(results: dict[str, str | None], name: str) -> None:
+    assert name in results, f"{name} was not run"
+    failure = results[name]
+    if failure is not None:
+        pytest.fail(f"{name} failed in the forced-device subprocess:\n{failure}", pytrace=False)
+
+
+@pytest.mark.timeout(FORCED_DEVICE_TIMEOUT_S)
 @pytest.mark.parametrize(
-    "kind,truncations_per_call",
-    [
-        ("pes", 1),
-        ("pes", 3),
-        ("nres", 2),
-        ("truncated_es", 1),
-        ("truncated_grad", 2),
-        ("full_es", 1),
-    ],
+    "kind,truncations_per_call", SHARDED_CASES, ids=[f"{k}-{n}" for k, n in SHARDED_CASES]
 )
-def test_sharded_worker_matches_single_device_worker(kind, truncations_per_call):
-    _run_with_forced_devices(
-        f"check_sharded_matches_single_device({kind!r}, {truncations_per_call})"
-    )
+def test_sharded_worker_matches_single_device_worker(
+    forced_device_results, kind, truncations_per_call
+):
+    _assert_check_passed(forced_device_results, f"sharded[{kind}-{truncations_per_call}]")
 
 
-def test_num_tasks_not_divisible_by_device_count_is_refused():
-    _run_with_forced_devices("check_indivisible_num_tasks_is_refused()")
+@pytest.mark.timeout(FORCED_DEVICE_TIMEOUT_S)
+def test_num_tasks_not_divisible_by_device_count_is_refused(forced_device_results):
+    _assert_check_passed(forced_device_results, "indivisible")

@@ -2,9 +2,11 @@
 
 s_t = A s_{t-1} + B theta + c,  loss_t = 1/2 ||s_t - y||^2, reset to s_0 every
 ``length`` steps (the step after ``is_done`` reports ``loss=0, mask=False``).
-Because the loss is quadratic in theta, 1/2 [L(theta+eps) - L(theta-eps)] is
-exactly linear in the perturbations, so ES-family estimators have closed-form
-means and covariances (see DESIGN.md, "Estimators").
+The state is affine in theta, so the loss is quadratic in it and
+1/2 [L(theta+eps) - L(theta-eps)] is exactly linear in the perturbation eps.
+An antithetic-pair estimate (that difference times the noise behind it, over
+2 std^2) is then a quadratic form in Gaussian noise, whose mean and covariance
+follow from Isserlis' theorem (:func:`closed_form`).
 """
 
 from __future__ import annotations

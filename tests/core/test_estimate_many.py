@@ -1,9 +1,15 @@
-"""Several truncations per call: ``estimate_many`` against sequential ``estimate`` calls."""
+"""Several truncations per call: ``estimate_many`` against sequential ``estimate`` calls.
+
+Compilations dominate the cost here, so the learned-optimizer estimator of each
+kind, its initial state and its jitted ``estimate`` are built once per module
+(the ``start`` fixture) and the K-truncation results once per kind
+(``k_truncations``), shared by the tests that check them.
+"""
 
 from __future__ import annotations
 
-import functools
 import itertools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +18,7 @@ import pytest
 
 import popmeta as pm
 from popmeta.core.estimators import truncation_keys
+from popmeta.core.estimators.truncations import check_num_truncations
 from tests.core.linear_system import LinearQuadraticStep
 
 KINDS = ["pes", "nres", "truncated_es", "truncated_grad", "full_es"]
@@ -41,17 +48,6 @@ def _estimator(kind, step=None, num_tasks=4):
     raise ValueError(kind)
 
 
-@functools.cache
-def _lopt_estimator(kind):
-    """One estimator per kind for the whole module, so that tests share compilations."""
-    return _estimator(kind)
-
-
-@functools.cache
-def _jit_estimate(estimator):
-    return jax.jit(estimator.estimate)
-
-
 def _theta(estimator):
     learned_opt = getattr(estimator.truncated_step, "learned_opt", None)
     if learned_opt is None:
@@ -68,31 +64,61 @@ def _copy(tree):
     return jax.tree_util.tree_map(jnp.copy, tree)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_one_truncation_is_bitwise_the_single_estimate(kind):
-    estimator = _lopt_estimator(kind)
+class Start(NamedTuple):
+    """A learned-optimizer estimator, its theta and initial state, and its jitted ``estimate``."""
+
+    estimator: pm.GradientEstimator
+    theta: Any
+    state: Any  # never donated: callers pass copies
+    estimate: Any  # jax.jit(estimator.estimate), state not donated
+
+
+@pytest.fixture(scope="module", params=KINDS, ids=KINDS)
+def start(request) -> Start:
+    """One estimator per kind for the module, so that its tests share compilations."""
+    estimator = _estimator(request.param)
     theta = _theta(estimator)
     state = estimator.init_worker_state(theta, jax.random.key(1))
+    return Start(estimator, theta, state, jax.jit(estimator.estimate))
+
+
+def test_one_truncation_is_bitwise_the_single_estimate(start):
+    estimator, theta, state, estimate = start
     key = jax.random.key(7)
-    single = _jit_estimate(estimator)(theta, _copy(state), key)
+    single = estimate(theta, _copy(state), key)
     many = jax.jit(lambda t, s, k: estimator.estimate_many(t, s, k, 1))(theta, _copy(state), key)
     assert jax.tree_util.tree_structure(single) == jax.tree_util.tree_structure(many)
     for a, b in zip(_leaves(single), _leaves(many), strict=True):
         np.testing.assert_array_equal(a, b)
-    if kind == "pes":
-        # The host driver with K = 1 is the single-estimate driver.
-        driven = estimator.compute_gradient_estimates(theta, _copy(state), key, 1)
-        for a, b in zip(_leaves(single), _leaves(driven), strict=True):
-            np.testing.assert_array_equal(a, b)
 
 
-def _sequential(estimator, theta, state, key, num_truncations, data=None):
-    """K separate ``estimate`` calls with the derived keys, combined by hand."""
-    step = _jit_estimate(estimator)
+@pytest.mark.parametrize("start", ["pes"], indirect=True)
+def test_one_truncation_through_the_runner_is_bitwise_the_single_estimate(start):
+    estimator, theta, state, estimate = start
+    key = jax.random.key(7)
+    single = estimate(theta, _copy(state), key)
+    driven = estimator.compute_gradient_estimate(theta, _copy(state), key, num_truncations=1)
+    for a, b in zip(_leaves(single), _leaves(driven), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+class Combined(NamedTuple):
+    """K estimates combined by hand, as ``estimate_many`` should combine them."""
+
+    grad: Any
+    mean_loss: float
+    weight: float
+    state: Any
+    metrics: dict[str, np.ndarray]
+    weights: np.ndarray  # of each truncation
+
+
+def _sequential(estimate, theta, state, key, num_truncations, data=None) -> Combined:
+    """K separate jitted ``estimate`` calls with the derived keys, combined by hand."""
     outs, metrics = [], []
     for k, truncation_key in enumerate(truncation_keys(key, num_truncations)):
         truncation_data = None if data is None else data[k]
-        out, m = step(theta, state, truncation_key, truncation_data)
+        out, m = estimate(theta, state, truncation_key, truncation_data)
         state = out.state
         outs.append(out)
         metrics.append(m)
@@ -112,30 +138,47 @@ def _sequential(estimator, theta, state, key, num_truncations, data=None):
             combined[name] = sum(values)
         else:
             combined[name] = sum(w * v for w, v in zip(weights, values, strict=True)) / total
-    return grad, mean_loss, total, state, combined, weights
+    return Combined(grad, mean_loss, total, state, combined, weights)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_k_truncations_equal_k_sequential_calls(kind):
+class KTruncations(NamedTuple):
+    expected: Combined  # K sequential calls
+    out: pm.EstimatorOut  # one K-truncation call
+    metrics: dict[str, jax.Array]
+
+
+@pytest.fixture(scope="module")
+def k_truncations(start) -> KTruncations:
+    """Three truncations as three calls and as one call, computed once per kind."""
+    estimator, theta, state, estimate = start
     num_truncations = 3
-    estimator = _lopt_estimator(kind)
-    theta = _theta(estimator)
-    state = estimator.init_worker_state(theta, jax.random.key(1))
     key = jax.random.key(11)
-    grad, mean_loss, weight, end_state, metrics, _ = _sequential(
-        estimator, theta, _copy(state), key, num_truncations
+    expected = _sequential(estimate, theta, _copy(state), key, num_truncations)
+    out, metrics = estimator.compute_gradient_estimate(
+        theta, _copy(state), key, num_truncations=num_truncations
     )
-    out, many_metrics = estimator.compute_gradient_estimates(theta, state, key, num_truncations)
+    return KTruncations(expected, out, metrics)
 
-    for a, b in zip(_leaves(out.grad), jax.tree_util.tree_leaves(grad), strict=True):
+
+def test_k_truncations_equal_k_sequential_calls(k_truncations):
+    expected, out, _ = k_truncations
+    for a, b in zip(_leaves(out.grad), jax.tree_util.tree_leaves(expected.grad), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert float(out.mean_loss) == pytest.approx(mean_loss, rel=1e-5)
-    assert float(out.weight) == weight
-    assert set(many_metrics) == set(metrics)
-    for name, value in metrics.items():
-        np.testing.assert_allclose(many_metrics[name], value, rtol=1e-5, err_msg=name)
-    assert float(many_metrics["mean_loss"]) == pytest.approx(float(out.mean_loss), rel=1e-6)
-    for a, b in zip(_leaves(out.state), _leaves(end_state), strict=True):
+    assert float(out.mean_loss) == pytest.approx(expected.mean_loss, rel=1e-5)
+    assert float(out.weight) == expected.weight
+
+
+def test_k_truncation_metrics_equal_those_of_k_sequential_calls(k_truncations):
+    expected, out, metrics = k_truncations
+    assert set(metrics) == set(expected.metrics)
+    for name, value in expected.metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-5, err_msg=name)
+    assert float(metrics["mean_loss"]) == pytest.approx(float(out.mean_loss), rel=1e-6)
+
+
+def test_k_truncations_end_in_the_state_of_k_sequential_calls(k_truncations):
+    expected, out, _ = k_truncations
+    for a, b in zip(_leaves(out.state), _leaves(expected.state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -148,19 +191,18 @@ def test_truncations_are_weighted_by_their_valid_tasks(kind):
     theta = _theta(estimator)
     state = estimator.init_worker_state(theta, jax.random.key(1))
     key = jax.random.key(4)
-    grad, mean_loss, weight, _, _, weights = _sequential(estimator, theta, _copy(state), key, 3)
-    np.testing.assert_array_equal(weights, [2, 0, 2])
+    expected = _sequential(jax.jit(estimator.estimate), theta, _copy(state), key, 3)
+    np.testing.assert_array_equal(expected.weights, [2, 0, 2])
     out, _ = estimator.estimate_many(theta, state, key, 3)
-    assert float(out.weight) == weight == 4
-    np.testing.assert_allclose(out.grad, grad, rtol=1e-5)
-    assert float(out.mean_loss) == pytest.approx(mean_loss, rel=1e-6)
-    assert mean_loss > 0
+    assert float(out.weight) == expected.weight == 4
+    np.testing.assert_allclose(out.grad, expected.grad, rtol=1e-5)
+    assert float(out.mean_loss) == pytest.approx(expected.mean_loss, rel=1e-6)
+    assert expected.mean_loss > 0
 
 
-def test_counts_are_summed_and_keep_an_integer_dtype():
-    estimator = _lopt_estimator("pes")
-    theta = _theta(estimator)
-    state = estimator.init_worker_state(theta, jax.random.key(1))
+@pytest.mark.parametrize("start", ["pes"], indirect=True)
+def test_counts_are_summed_and_keep_an_integer_dtype(start):
+    estimator, theta, state, _ = start
     out, metrics = estimator.estimate_many(theta, state, jax.random.key(2), 4)
     assert jnp.issubdtype(metrics["num_done"].dtype, jnp.integer)
     assert jnp.issubdtype(out.weight.dtype, jnp.integer)
@@ -184,6 +226,17 @@ def test_truncation_keys():
         truncation_keys(key, 0)
 
 
+def test_num_truncations_must_be_a_positive_int():
+    assert check_num_truncations(3) == 3
+    assert type(check_num_truncations(np.int64(2))) is int
+    for bad in (True, 1.5, "2"):
+        with pytest.raises(TypeError, match="num_truncations"):
+            check_num_truncations(bad)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="num_truncations"):
+            check_num_truncations(bad)
+
+
 def test_k_truncations_are_one_scan_with_no_host_callbacks():
     estimator = _estimator("pes")
     theta = _theta(estimator)
@@ -205,11 +258,13 @@ def test_state_is_donated_and_each_k_compiles_once():
     state = estimator.init_worker_state(theta, jax.random.key(1))
     for i in range(3):
         old = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
-        out, _ = estimator.compute_gradient_estimates(theta, state, jax.random.key(i), 4)
+        out, _ = estimator.compute_gradient_estimate(
+            theta, state, jax.random.key(i), num_truncations=4
+        )
         state = out.state
         assert all(leaf.is_deleted() for leaf in old)
-    assert estimator.jitted_estimate_many(4)._cache_size() == 1
-    assert estimator.jitted_estimate_many(4) is estimator.jitted_estimate_many(4)
+    assert estimator.runner.jitted_estimate(4)._cache_size() == 1
+    assert estimator.runner.jitted_estimate(4) is estimator.runner.jitted_estimate(4)
 
 
 class NeverValid(LinearQuadraticStep):
@@ -257,22 +312,22 @@ def test_host_data_falls_back_to_one_call_per_truncation(kind):
 
     HostDataStep.counter = itertools.count()
     batches = [step.get_batch(TRUNC_LENGTH) for _ in range(num_truncations)]
-    grad, mean_loss, weight, end_state, _, _ = _sequential(
-        estimator, theta, _copy(state), key, num_truncations, batches
+    expected = _sequential(
+        jax.jit(estimator.estimate), theta, _copy(state), key, num_truncations, batches
     )
     stacked = jax.jit(lambda t, s, k, d: estimator.estimate_many(t, s, k, num_truncations, d))(
         theta, _copy(state), key, np.stack(batches)
     )
 
     HostDataStep.counter = itertools.count()
-    out, _ = estimator.compute_gradient_estimates(theta, state, key, num_truncations)
+    out, _ = estimator.compute_gradient_estimate(theta, state, key, num_truncations=num_truncations)
     # One batch per truncation (the vectorized step asks each of its 2 tasks).
     assert next(HostDataStep.counter) == 2 * num_truncations
     for result in (out, stacked[0]):
-        np.testing.assert_allclose(result.grad, grad, rtol=1e-5, atol=1e-6)
-        assert float(result.mean_loss) == pytest.approx(mean_loss, rel=1e-5)
-        assert float(result.weight) == weight
-        for a, b in zip(_leaves(result.state), _leaves(end_state), strict=True):
+        np.testing.assert_allclose(result.grad, expected.grad, rtol=1e-5, atol=1e-6)
+        assert float(result.mean_loss) == pytest.approx(expected.mean_loss, rel=1e-5)
+        assert float(result.weight) == expected.weight
+        for a, b in zip(_leaves(result.state), _leaves(expected.state), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

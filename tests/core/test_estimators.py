@@ -2,10 +2,16 @@
 
 Each estimator is vmapped over many seeds (one antithetic pair per seed) and
 walked through consecutive truncations; the sample mean and covariance per
-truncation window are compared with the closed forms of DESIGN.md.
+truncation window are compared with the exact gradient and with the closed-form
+covariance of one antithetic pair (``linear_system.closed_form``: the loss is
+quadratic in theta, so the estimate is a quadratic form in the Gaussian noise).
+The walks are the expensive part; each is computed once per module
+(``persistent_walks``) and shared by the tests that check it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,27 +71,56 @@ def system(request):
     return step, theta, oracle
 
 
-@pytest.mark.parametrize("kind", ["pes", "nres"])
-def test_persistent_estimators_unbiased_with_closed_form_variance(system, kind):
-    step, theta, oracle = system
+@pytest.fixture(scope="module")
+def persistent_walks(system):
+    """``walk(kind)``: the PES or NRES per-window estimates on ``system``, each walked once."""
+    step, theta, _ = system
     vec = VectorizedTruncatedStep(step, 1)
-    cls = TruncatedPES if kind == "pes" else NoiseReuseES
-    estimator = cls(vec, trunc_length=TRUNC_LENGTH, std=STD)
-    grads = _walk_windows(estimator, theta, NUM_WINDOWS)
+    classes = {"pes": TruncatedPES, "nres": NoiseReuseES}
+    walks: dict[str, np.ndarray] = {}
+
+    def walk(kind: str) -> np.ndarray:
+        if kind not in walks:
+            estimator = classes[kind](vec, trunc_length=TRUNC_LENGTH, std=STD)
+            walks[kind] = _walk_windows(estimator, theta, NUM_WINDOWS)
+        return walks[kind]
+
+    return walk
+
+
+@pytest.mark.parametrize("kind", ["pes", "nres"])
+def test_closed_form_mean_is_the_true_gradient(system, kind):
+    _, _, oracle = system
     for j in range(NUM_WINDOWS):
-        mean, cov = closed_form(oracle, kind, j)
-        np.testing.assert_allclose(mean, oracle.true_grad[j], rtol=1e-6, atol=1e-9)
+        mean, _ = closed_form(oracle, kind, j)
+        np.testing.assert_allclose(
+            mean, oracle.true_grad[j], rtol=1e-6, atol=1e-9, err_msg=f"{kind} window {j}"
+        )
+
+
+@pytest.mark.parametrize("kind", ["pes", "nres"])
+def test_persistent_estimators_unbiased(system, persistent_walks, kind):
+    _, _, oracle = system
+    grads = persistent_walks(kind)
+    for j in range(NUM_WINDOWS):
         _assert_unbiased(grads[j], oracle.true_grad[j], f"{kind} window {j}")
+
+
+@pytest.mark.parametrize("kind", ["pes", "nres"])
+def test_persistent_estimators_have_the_closed_form_variance(system, persistent_walks, kind):
+    _, _, oracle = system
+    grads = persistent_walks(kind)
+    for j in range(NUM_WINDOWS):
+        _, cov = closed_form(oracle, kind, j)
         measured = np.trace(np.cov(grads[j].T))
         predicted = np.trace(cov)
         assert measured == pytest.approx(predicted, rel=0.15), f"{kind} window {j}"
 
 
-def test_nres_variance_never_above_pes(system):
-    step, theta, oracle = system
-    vec = VectorizedTruncatedStep(step, 1)
-    pes = _walk_windows(TruncatedPES(vec, TRUNC_LENGTH, STD), theta, NUM_WINDOWS)
-    nres = _walk_windows(NoiseReuseES(vec, TRUNC_LENGTH, STD), theta, NUM_WINDOWS)
+def test_nres_variance_never_above_pes(system, persistent_walks):
+    _, _, oracle = system
+    pes = persistent_walks("pes")
+    nres = persistent_walks("nres")
     ratios = []
     for j in range(NUM_WINDOWS):
         pes_trace = np.trace(closed_form(oracle, "pes", j)[1])
@@ -122,23 +157,53 @@ def test_full_es_unbiased_for_whole_episode_gradient(system):
     assert np.trace(np.cov(grads.T)) == pytest.approx(predicted, rel=0.15)
 
 
-def test_truncated_estimators_show_truncation_bias():
-    """Truncated ES and backprop estimate only dL_j/dtheta_j, missing earlier windows' influence."""
+class NoResetWalks(NamedTuple):
+    """Truncated ES and truncated backprop walked on a system that never resets."""
+
+    true_grad: np.ndarray  # [J, d]: dL_j/dtheta through every window
+    own_window: np.ndarray  # [J, d]: dL_j/dtheta_j, the window's own theta only
+    truncated_es: np.ndarray  # [J, seeds, d]
+    truncated_grad: np.ndarray  # [J, seeds, d]
+
+
+@pytest.fixture(scope="module")
+def no_reset_walks() -> NoResetWalks:
     step = LinearQuadraticStep(length=100)  # no reset: the state carries theta's influence
     theta = _theta()
     oracle = window_oracle(step, theta, NUM_WINDOWS, TRUNC_LENGTH)
-    own_window = np.stack([oracle.jac[0, j, j] for j in range(NUM_WINDOWS)])
     vec = VectorizedTruncatedStep(step, 1)
+    return NoResetWalks(
+        true_grad=oracle.true_grad,
+        own_window=np.stack([oracle.jac[0, j, j] for j in range(NUM_WINDOWS)]),
+        truncated_es=_walk_windows(TruncatedES(vec, TRUNC_LENGTH, STD), theta, NUM_WINDOWS),
+        truncated_grad=_walk_windows(TruncatedGrad(vec, TRUNC_LENGTH), theta, NUM_WINDOWS),
+    )
 
-    tes = _walk_windows(TruncatedES(vec, TRUNC_LENGTH, STD), theta, NUM_WINDOWS)
-    tgrad = _walk_windows(TruncatedGrad(vec, TRUNC_LENGTH), theta, NUM_WINDOWS)
+
+def test_truncation_bias_is_large_on_the_no_reset_system(no_reset_walks):
+    """The earlier windows' influence, which truncated estimators miss, is not negligible."""
+    walks = no_reset_walks
     for j in range(1, NUM_WINDOWS):
-        bias = oracle.true_grad[j] - own_window[j]
-        assert np.linalg.norm(bias) > 0.3 * np.linalg.norm(oracle.true_grad[j])
-        np.testing.assert_allclose(tgrad[j, 0], own_window[j], rtol=1e-4, atol=1e-5)
-        _assert_unbiased(tes[j], own_window[j], f"truncated_es window {j}")
-        stderr = tes[j].std(axis=0, ddof=1) / np.sqrt(NUM_SEEDS)
-        assert np.max(np.abs(tes[j].mean(axis=0) - oracle.true_grad[j]) / stderr) > 10
+        bias = walks.true_grad[j] - walks.own_window[j]
+        assert np.linalg.norm(bias) > 0.3 * np.linalg.norm(walks.true_grad[j]), j
+
+
+def test_truncated_grad_is_the_own_window_gradient(no_reset_walks):
+    walks = no_reset_walks
+    for j in range(1, NUM_WINDOWS):
+        np.testing.assert_allclose(
+            walks.truncated_grad[j, 0], walks.own_window[j], rtol=1e-4, atol=1e-5, err_msg=j
+        )
+
+
+def test_truncated_es_is_unbiased_for_the_own_window_gradient_only(no_reset_walks):
+    """Truncated ES estimates only dL_j/dtheta_j, missing earlier windows' influence."""
+    walks = no_reset_walks
+    for j in range(1, NUM_WINDOWS):
+        tes = walks.truncated_es[j]
+        _assert_unbiased(tes, walks.own_window[j], f"truncated_es window {j}")
+        stderr = tes.std(axis=0, ddof=1) / np.sqrt(NUM_SEEDS)
+        assert np.max(np.abs(tes.mean(axis=0) - walks.true_grad[j]) / stderr) > 10, j
 
 
 @pytest.mark.parametrize("cls", [TruncatedPES, NoiseReuseES, TruncatedES])

@@ -51,7 +51,7 @@ def test_worker_state_is_donated_and_the_call_compiles_once():
         out, _ = estimator.compute_gradient_estimate(theta, state, jax.random.key(i))
         state = out.state
         assert all(leaf.is_deleted() for leaf in old_leaves if isinstance(leaf, jax.Array))
-    assert estimator._jitted_estimate._cache_size() == 1
+    assert estimator.runner.jitted_estimate()._cache_size() == 1
 
 
 class CountingFamily(pm.FixedDimQuadraticFamilyData):

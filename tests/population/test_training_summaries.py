@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 
-from popmeta.train import train
 from popmeta.population.ray_population import RayPopulation
+from popmeta.train import train
 from tests.events import read_events
 from tests.population import tiny_config
 
@@ -55,6 +55,12 @@ def test_async_run_summaries_are_complete_and_sane(ray_session, tmp_path):
     assert [n for _, n in histograms["staleness"]] == [20] * 6
     dropped = values("dropped_stale")
     assert np.all(np.diff(dropped) >= 0)  # a running total
+    # ... of the per-actor totals, which appear once an actor had a drop.
+    by_actor = [tag for tag in scalars if tag.startswith("dropped_stale_by_actor/")]
+    assert sum(values(tag)[-1] for tag in by_actor) == dropped[-1]
+    # Each actor's latest task phases (2 tasks each), pooled per summary.
+    assert [s for s, _ in histograms["trajectory_phase"]] == [10, 20, 30, 40, 50, 60]
+    assert all(n in (2, 4) for _, n in histograms["trajectory_phase"])
     assert np.all(values("rejected_nonfinite") == 0) and np.all(values("actor_restarts") == 0)
     assert np.all(values("live_actors") == 2)
     for rank in (0, 1):

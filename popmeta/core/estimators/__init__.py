@@ -1,24 +1,35 @@
-"""Gradient estimators of the meta-loss with respect to theta."""
+"""Gradient estimators of the meta-loss with respect to theta, and the runners that call them."""
 
 from popmeta.core.estimators.antithetic import AntitheticEstimator
-from popmeta.core.estimators.base import EstimatorOut, GradientEstimator, truncation_keys
+from popmeta.core.estimators.base import EstimatorOut, GradientEstimator
 from popmeta.core.estimators.es import FullES, TruncatedES
 from popmeta.core.estimators.nres import NoiseReuseES
 from popmeta.core.estimators.pes import TruncatedPES
-from popmeta.core.estimators.sharding import TASK_AXIS, TaskSharding, task_mesh
+from popmeta.core.estimators.runners import (
+    TASK_AXIS,
+    EstimateRunner,
+    ShardedRunner,
+    SingleDeviceRunner,
+    make_runner,
+    task_mesh,
+)
 from popmeta.core.estimators.truncated_grad import TruncatedGrad
+from popmeta.core.estimators.truncations import truncation_keys
 
 __all__ = [
     "TASK_AXIS",
     "AntitheticEstimator",
+    "EstimateRunner",
     "EstimatorOut",
     "FullES",
     "GradientEstimator",
     "NoiseReuseES",
-    "TaskSharding",
+    "ShardedRunner",
+    "SingleDeviceRunner",
     "TruncatedES",
     "TruncatedGrad",
     "TruncatedPES",
+    "make_runner",
     "task_mesh",
     "truncation_keys",
 ]
