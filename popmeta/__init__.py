@@ -2,13 +2,17 @@
 
 from popmeta.config import Config, ConfigError, load_config
 from popmeta.core.estimators import (
+    EstimateRunner,
     EstimatorOut,
     FullES,
     GradientEstimator,
     NoiseReuseES,
+    ShardedRunner,
+    SingleDeviceRunner,
     TruncatedES,
     TruncatedGrad,
     TruncatedPES,
+    make_runner,
 )
 from popmeta.core.evaluation import TrainingCurves, training_curves
 from popmeta.core.learned_optimizers import (
@@ -20,7 +24,7 @@ from popmeta.core.learned_optimizers import (
     MLPLOptState,
 )
 from popmeta.core.lopt_truncated_step import VectorizedLOptTruncatedStep
-from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, Optimizer
+from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, OptaxState, Optimizer
 from popmeta.core.tasks import (
     FixedDimQuadraticFamily,
     FixedDimQuadraticFamilyData,
@@ -56,6 +60,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConstantTruncationSchedule",
+    "EstimateRunner",
     "EstimatorOut",
     "FixedDimQuadraticFamily",
     "FixedDimQuadraticFamilyData",
@@ -77,6 +82,8 @@ __all__ = [
     "OptaxState",
     "Optimizer",
     "QuadraticTask",
+    "ShardedRunner",
+    "SingleDeviceRunner",
     "Task",
     "TaskFamily",
     "TrainState",
@@ -95,6 +102,7 @@ __all__ = [
     "load_config",
     "load_npz_images_8x8",
     "make_outer_optimizer",
+    "make_runner",
     "single_task_to_family",
     "training_curves",
     "vec_get_batch",

@@ -122,3 +122,11 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
 @pytest.mark.parametrize("module", ["popmeta.core.tasks.base", "popmeta.learner.learner"])
 def test_units_are_found_for_nested_modules(module):
     assert unit_of(module) in {"popmeta.core", "popmeta.learner"}
+
+
+def test_the_public_namespace_exports_exactly_what_it_lists():
+    import popmeta
+
+    assert sorted(set(popmeta.__all__)) == sorted(popmeta.__all__)
+    missing = [name for name in popmeta.__all__ if not hasattr(popmeta, name)]
+    assert missing == []

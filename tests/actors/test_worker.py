@@ -75,15 +75,16 @@ def test_single_device_worker_runs_unsharded():
     assert isinstance(worker.runner, SingleDeviceRunner)
     assert isinstance(worker.runner, EstimateRunner)
     # The estimator's own runner: shared with estimator.compute_gradient_estimate.
-    assert worker.runner is worker.estimator.runner
+    assert worker.runner.estimator is worker.estimator
     assert worker.num_devices == 1
     assert worker.num_tasks == 4
 
 
 def test_make_runner_shards_only_over_several_devices():
     estimator = build_estimator(_config())
-    assert make_runner(estimator) is estimator.runner
-    assert make_runner(estimator, jax.local_devices()) is estimator.runner
+    for devices in (None, jax.local_devices()):
+        runner = make_runner(estimator, devices)
+        assert isinstance(runner, SingleDeviceRunner) and runner.estimator is estimator
     with pytest.raises(ValueError, match="at least one device"):
         ShardedRunner(estimator, [])
     # A one-device mesh is allowed (it commits the state to that device).

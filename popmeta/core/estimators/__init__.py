@@ -1,10 +1,11 @@
 """Gradient estimators of the meta-loss with respect to theta, and the runners that call them."""
 
 from popmeta.core.estimators.antithetic import AntitheticEstimator
-from popmeta.core.estimators.base import EstimatorOut, GradientEstimator
+from popmeta.core.estimators.base import GradientEstimator
 from popmeta.core.estimators.es import FullES, TruncatedES
 from popmeta.core.estimators.nres import NoiseReuseES
 from popmeta.core.estimators.pes import TruncatedPES
+from popmeta.core.estimators.protocol import Estimator, EstimatorOut
 from popmeta.core.estimators.runners import (
     TASK_AXIS,
     EstimateRunner,
@@ -20,6 +21,7 @@ __all__ = [
     "TASK_AXIS",
     "AntitheticEstimator",
     "EstimateRunner",
+    "Estimator",
     "EstimatorOut",
     "FullES",
     "GradientEstimator",

@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from popmeta.core.estimators.base import EstimatorOut, GradientEstimator, task_mean
+from popmeta.core.estimators.base import GradientEstimator, task_mean
+from popmeta.core.estimators.protocol import EstimatorOut
 from popmeta.core.tree_utils import select_tasks
 from popmeta.core.truncated_step import TruncatedStep
 

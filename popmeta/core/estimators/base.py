@@ -16,11 +16,13 @@ the jitted ``estimate`` with the worker state donated, through the estimator's
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from popmeta.core.estimators.protocol import EstimatorOut
+from popmeta.core.estimators.runners import SingleDeviceRunner
 from popmeta.core.estimators.truncations import (
     accumulate,
     check_num_truncations,
@@ -30,29 +32,9 @@ from popmeta.core.estimators.truncations import (
 )
 from popmeta.core.truncated_step import TruncatedStep
 
-if TYPE_CHECKING:
-    from popmeta.core.estimators.runners import SingleDeviceRunner
-
-__all__ = ["EstimatorOut", "GradientEstimator", "task_mean"]
+__all__ = ["GradientEstimator", "task_mean"]
 
 PyTree = Any
-
-
-class EstimatorOut(NamedTuple):
-    """One gradient estimate of the meta-loss with respect to theta.
-
-    Attributes:
-      grad: theta-shaped estimate.
-      mean_loss: mean meta-loss of the truncation (mean of the + and - members for ES).
-      weight: number of tasks with at least one valid step behind ``grad``; the
-        learner weights estimates by it.
-      state: the worker state to pass to the next call.
-    """
-
-    grad: PyTree
-    mean_loss: jax.Array
-    weight: jax.Array
-    state: Any
 
 
 class GradientEstimator:
@@ -158,9 +140,6 @@ class GradientEstimator:
     @functools.cached_property
     def runner(self) -> SingleDeviceRunner:
         """This estimator's single-device runner: its compiled functions, created on first use."""
-        # Imported here: runners.py builds on this module.
-        from popmeta.core.estimators.runners import SingleDeviceRunner
-
         return SingleDeviceRunner(self)
 
     def compute_gradient_estimate(

@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from popmeta.core.estimators.base import EstimatorOut, GradientEstimator
+from popmeta.core.estimators.protocol import Estimator, EstimatorOut
 from popmeta.core.estimators.truncations import (
     accumulate,
     check_num_truncations,
@@ -74,7 +74,7 @@ class EstimateRunner(Protocol):
       num_devices: devices the estimator's tasks are spread over (1 unsharded).
     """
 
-    estimator: GradientEstimator
+    estimator: Estimator
 
     @property
     def num_devices(self) -> int:
@@ -112,7 +112,7 @@ class EstimateRunner(Protocol):
         ...
 
 
-def _estimate_k(estimator: GradientEstimator, num_truncations: int) -> CompiledEstimate:
+def _estimate_k(estimator: Estimator, num_truncations: int) -> CompiledEstimate:
     """``estimate_many`` with K bound, taking the same arguments as ``estimate``."""
 
     def estimate_k(theta, state, key, data=None, outer_state=None):
@@ -121,7 +121,7 @@ def _estimate_k(estimator: GradientEstimator, num_truncations: int) -> CompiledE
     return estimate_k
 
 
-def _estimate_or_many(estimator: GradientEstimator, num_truncations: int) -> CompiledEstimate:
+def _estimate_or_many(estimator: Estimator, num_truncations: int) -> CompiledEstimate:
     """What to compile for K truncations: ``estimate`` itself for K = 1 (no scan)."""
     return estimator.estimate if num_truncations == 1 else _estimate_k(estimator, num_truncations)
 
@@ -133,7 +133,7 @@ _jitted_means = jax.jit(weighted_means)
 class _CompiledRunner:
     """The host side of a call, shared by the runners; subclasses supply ``jitted_estimate``."""
 
-    estimator: GradientEstimator
+    estimator: Estimator
 
     def jitted_estimate(self, num_truncations: int = 1) -> CompiledEstimate:
         raise NotImplementedError
@@ -196,7 +196,7 @@ class SingleDeviceRunner(_CompiledRunner):
       estimator: the estimator to run.
     """
 
-    def __init__(self, estimator: GradientEstimator):
+    def __init__(self, estimator: Estimator):
         self.estimator = estimator
         self._init_fn: Any = None
         self._estimate_fns: dict[int, CompiledEstimate] = {}
@@ -271,7 +271,7 @@ class ShardedRunner(_CompiledRunner):
 
     def __init__(
         self,
-        estimator: GradientEstimator,
+        estimator: Estimator,
         devices: Sequence[jax.Device],
         axis_name: str = TASK_AXIS,
     ):
@@ -358,7 +358,7 @@ class ShardedRunner(_CompiledRunner):
 
 
 def make_runner(
-    estimator: GradientEstimator, devices: Sequence[jax.Device] | None = None
+    estimator: Estimator, devices: Sequence[jax.Device] | None = None
 ) -> EstimateRunner:
     """The runner for ``estimator`` on ``devices``.
 
@@ -369,9 +369,8 @@ def make_runner(
 
     Returns:
       A :class:`ShardedRunner` over ``devices`` when there are several;
-      otherwise the estimator's own :class:`SingleDeviceRunner`
-      (``estimator.runner``, shared with ``estimator.compute_gradient_estimate``),
-      which runs on JAX's default device.
+      otherwise a :class:`SingleDeviceRunner`, which runs on JAX's default
+      device.
 
     Raises:
       ValueError: if the tasks do not split evenly over several devices.
@@ -379,4 +378,4 @@ def make_runner(
     devices = list(devices or ())
     if len(devices) > 1:
         return ShardedRunner(estimator, devices)
-    return estimator.runner
+    return SingleDeviceRunner(estimator)
