@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 
@@ -15,6 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="popmeta", description="Meta-train learned optimizers with ES-family estimates."
     )
+    parser.add_argument("--version", action="version", version=f"popmeta {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def with_config(name: str, help: str) -> argparse.ArgumentParser:
@@ -42,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
         help="Ray cluster to join ('auto' inside `ray submit` jobs); default: RAY_ADDRESS "
         "if set, else an embedded local Ray instance",
     )
+    train.add_argument(
+        "--from-checkpoint",
+        default=None,
+        metavar="CKPT",
+        help="start from this checkpoint (e.g. an earlier one of the same run) instead of "
+        "the run's newest, and let the run take the config given now",
+    )
     with_config("validate", "check a config and print it fully resolved")
     commands.add_parser(
         "kinds", help="list every task family, learned optimizer, schedule and estimator"
@@ -54,8 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train(config) -> int:
-    from popmeta.train import train
+def _version() -> str:
+    try:
+        return importlib.metadata.version("popmeta")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
+def _train(config, from_checkpoint: str | None) -> int:
+    from popmeta.run_dir import RunDirectoryError
+    from popmeta.train import DivergedError, train
 
     pop = config.population
     print(
@@ -64,7 +81,16 @@ def _train(config) -> int:
         f"{pop.num_actors} {pop.mode} worker(s) on the {pop.engine} engine, "
         f"{config.train.num_steps} steps"
     )
-    result = train(config)
+    try:
+        result = train(config, from_checkpoint=from_checkpoint)
+    except (ConfigError, RunDirectoryError) as err:
+        print(f"popmeta: {err}", file=sys.stderr)
+        return 2
+    except DivergedError as err:
+        print(f"popmeta: {err}", file=sys.stderr)
+        return 1
+    if result.already_finished:
+        return 0
     print(f"\nrun directory: {result.run_dir} (TensorBoard: tensorboard --logdir {result.run_dir})")
     print(
         f"meta-loss: {result.meta_loss_start:.4f} at start -> {result.meta_loss_end:.4f} at end "
@@ -118,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         print(config_to_yaml(config), end="")
         return 0
-    return _train(config)
+    return _train(config, args.from_checkpoint)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,19 +20,25 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from popmeta.config import Config, config_to_dict, config_to_yaml
+from popmeta.config import Config, ConfigError, config_to_dict
 from popmeta.estimate import aggregate
 from popmeta.evaluate import EvalResult, evaluate_thetas
-from popmeta.experiment import initial_theta
-from popmeta.learner.checkpoints import restore_latest, save_checkpoint
+from popmeta.experiment import build_task_family, initial_theta
+from popmeta.learner.checkpoints import (
+    list_checkpoints,
+    load_checkpoint,
+    restore_latest,
+    save_checkpoint,
+)
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Population
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray_for
+from popmeta.run_dir import RunDirectory, RunDirectoryError
 from popmeta.summaries import RoundStats, Summaries
 
-__all__ = ["RunResult", "open_population", "train"]
+__all__ = ["DivergedError", "RunResult", "open_population", "train"]
 
 log = logging.getLogger("popmeta")
 
@@ -39,13 +46,51 @@ log = logging.getLogger("popmeta")
 MAX_FAILED_ROUNDS = 20
 
 
+class DivergedError(RuntimeError):
+    """No finite estimate for ``MAX_FAILED_ROUNDS`` rounds in a row; theta was left unchanged."""
+
+
+def _diverged(failures: int, step: int, run: RunDirectory) -> str:
+    checkpoints = list_checkpoints(run.checkpoints)
+    listing = ", ".join(path.name for path in checkpoints) or "none yet"
+    # The newest holds the theta whose estimates are all non-finite: suggest the one before.
+    start = checkpoints[-2] if len(checkpoints) > 1 else (checkpoints or [None])[-1]
+    how = (
+        f" To go on from an earlier one with a change (e.g. a smaller "
+        f"outer_optimizer.learning_rate): popmeta train CONFIG --from-checkpoint {start} "
+        "--set ...; or start afresh with --set name=NEW."
+        if start is not None
+        else " Start afresh with --set name=NEW and, e.g., a smaller outer_optimizer.learning_rate."
+    )
+    return (
+        f"{failures} rounds in a row without a finite estimate at step {step}: every estimate "
+        f"was non-finite (counted as rejected_nonfinite in TensorBoard) and theta was left "
+        f"unchanged. Checkpoints of {run.path}: {listing}.{how}"
+    )
+
+
 class RunResult(NamedTuple):
+    """What a call of :func:`train` did.
+
+    Attributes:
+      run_dir: the run directory.
+      final_step: the learner step the run ended at.
+      meta_loss_start: mean meta-loss over the first tenth of this call's updates.
+      meta_loss_end: mean meta-loss over the last tenth.
+      evaluation: the trained and untrained learned optimizers on held-out
+        tasks (empty when interrupted or already finished).
+      interrupted: Ctrl-C stopped the run (a checkpoint was written).
+      already_finished: the run had reached ``train.num_steps`` before this
+        call, which then started nothing.
+    """
+
     run_dir: Path
     final_step: int
     meta_loss_start: float
     meta_loss_end: float
     evaluation: dict[str, EvalResult]
     interrupted: bool
+    already_finished: bool = False
 
 
 class _Progress:
@@ -120,6 +165,7 @@ def train(
     config: Config,
     population_factory: PopulationFactory | None = None,
     stream=None,
+    from_checkpoint: str | Path | None = None,
 ) -> RunResult:
     """Meta-trains theta for ``config.train.num_steps`` outer steps, resuming if possible.
 
@@ -133,19 +179,75 @@ def train(
         ``population.engine`` names, with the runtime it needs (see
         :func:`open_population`).
       stream: where progress lines go (default stdout).
+      from_checkpoint: a checkpoint file to start from instead of the run's
+        newest one; the run then takes the new config (see
+        :meth:`~popmeta.run_dir.RunDirectory.take_over_from`).
+
+    Raises:
+      ConfigError: a data file the config names is missing or malformed.
+      RunDirectoryError: the run directory holds another experiment, is in use
+        by a live run, cannot be written, or its checkpoint does not fit.
     """
     stream = stream or sys.stdout
-    run_dir = Path(config.run_dir) / config.name
-    ckpt_dir = run_dir / "checkpoints"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_to_yaml(config))
+    run = RunDirectory(config)
+    run.check_writable()
+    _check_task_data(config)
+    with run.claim():
+        if from_checkpoint is None:
+            run.check_identity()
+        else:
+            run.take_over_from(Path(from_checkpoint))
+        learner = Learner(config)
+        _restore(learner, run, from_checkpoint, stream)
+        if learner.version >= config.train.num_steps:
+            print(
+                f"{run.path} already finished: step {learner.version} of "
+                f"train.num_steps={config.train.num_steps}; raise train.num_steps to train "
+                "further, or start a new run with --set name=NEW",
+                file=stream,
+            )
+            return RunResult(run.path, learner.version, math.nan, math.nan, {}, False, True)
+        return _train(config, run, learner, population_factory, stream)
 
-    learner = Learner(config)
-    restored = restore_latest(ckpt_dir, learner.checkpoint_tree())
+
+def _check_task_data(config: Config) -> None:
+    """Builds the task family once in the driver: data files fail here, before any actor starts."""
+    try:
+        build_task_family(config.task)
+    except (OSError, ValueError) as err:
+        field = "task.npz_path" if config.task.npz_path is not None else "task.family"
+        raise ConfigError(f"{field}: {err}") from None
+
+
+def _restore(
+    learner: Learner, run: RunDirectory, from_checkpoint: str | Path | None, stream
+) -> None:
+    """Restores the learner from ``from_checkpoint``, else from the run's newest checkpoint."""
+    target = learner.checkpoint_tree()
+    try:
+        if from_checkpoint is not None:
+            restored = load_checkpoint(from_checkpoint, target)
+        else:
+            restored = restore_latest(run.checkpoints, target)
+    except ValueError as err:
+        raise RunDirectoryError(
+            f"{err}. The checkpoint does not fit learned_optimizer.kind="
+            f"{run.config.learned_optimizer.kind!r} as configured; start a new run with "
+            "--set name=NEW"
+        ) from None
     if restored is not None:
         learner.restore(restored.tree)
         print(f"resumed from {restored.path} at step {learner.version}", file=stream)
 
+
+def _train(
+    config: Config,
+    run: RunDirectory,
+    learner: Learner,
+    population_factory: PopulationFactory | None,
+    stream,
+) -> RunResult:
+    run_dir, ckpt_dir = run.path, run.checkpoints
     tcfg = config.train
     meta_losses: list[float] = []
     interrupted = False
@@ -165,6 +267,7 @@ def train(
     with contextlib.ExitStack() as closing:
         population = closing.enter_context(open_population(config, population_factory))
         print(_placement(population.describe_actors()), file=stream)
+        run.record_config()
         summaries = Summaries(run_dir)
         closing.callback(summaries.close)
         stats = RoundStats(population.steps_per_estimate, config.task.family)
@@ -183,10 +286,8 @@ def train(
                         agg.num_rejected_nonfinite,
                     )
                     if failures >= MAX_FAILED_ROUNDS:
-                        raise RuntimeError(
-                            f"{failures} rounds in a row without a finite estimate at step "
-                            f"{learner.version}; the last checkpoint is kept in {ckpt_dir}"
-                        )
+                        stats.write(summaries, learner.version, population.num_live)
+                        raise DivergedError(_diverged(failures, learner.version, run))
                     continue
                 failures = 0
                 update_start = time.perf_counter()

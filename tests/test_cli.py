@@ -136,6 +136,18 @@ def test_a_run_resumes_from_its_newest_checkpoint(trained, tmp_path):
     assert newest.name == "ckpt_00000420.npz"
 
 
+def test_a_finished_run_says_so_and_a_changed_one_is_refused(trained, tmp_path):
+    shutil.copytree(trained[0] / "runs", tmp_path / "runs")
+    again = popmeta(*TRAIN_ARGS, tmp_path=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "already finished: step 400 of train.num_steps=400" in again.stdout
+    assert "actor(s)" not in again.stdout  # no population, no Ray
+    changed = popmeta(*TRAIN_ARGS, "--set", "estimator.kind=nres", tmp_path=tmp_path)
+    assert changed.returncode == 2
+    assert "estimator.kind: 'pes' -> 'nres'" in changed.stderr
+    assert "Traceback" not in changed.stderr
+
+
 def test_eval_compares_the_checkpoint_with_tuned_baselines(trained):
     run_dir = trained[0] / "runs" / "cli"
     newest = list_checkpoints(run_dir / "checkpoints")[-1]
@@ -225,6 +237,13 @@ def test_bad_overrides_fail_before_anything_starts(
         for message in messages:
             assert message in err, (command, err)
     assert not (tmp_path / "runs").exists()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert re.fullmatch(r"popmeta \S+\n", capsys.readouterr().out)
 
 
 def test_missing_config_file_is_named(tmp_path, monkeypatch, capsys):

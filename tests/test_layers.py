@@ -25,7 +25,7 @@ LAYERS: list[list[str]] = [
     ["popmeta.experiment", "popmeta.estimate"],  # config -> core objects; the wire record
     ["popmeta.learner", "popmeta.actors"],  # theta + outer step; the estimator workers
     ["popmeta.population"],  # placement, supervision, gather policies
-    ["popmeta.summaries"],  # TensorBoard
+    ["popmeta.summaries", "popmeta.run_dir"],  # TensorBoard; a run directory's identity
     ["popmeta.evaluate"],  # meta-testing
     ["popmeta.train"],  # the run loop
     ["popmeta.cli", "popmeta.__main__"],  # the command line

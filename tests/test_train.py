@@ -1,0 +1,63 @@
+"""The run loop's ownership of what it opens: the last checkpoint comes before any shutdown step."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from popmeta.config import config_from_dict
+from popmeta.learner.checkpoints import list_checkpoints
+from popmeta.population.local import LocalPopulation
+from popmeta.train import open_population, train
+from tests.events import read_scalars
+
+
+def _config(run_dir, num_steps=6):
+    return config_from_dict(
+        {
+            "name": "owner",
+            "run_dir": str(run_dir),
+            "task": {"family": "fixed_dim_quadratic", "dim": 3},
+            "learned_optimizer": {"kind": "learnable_sgd"},
+            "truncation": {"length": 10},
+            "estimator": {"num_tasks": 2, "trunc_length": 5, "random_initial_iteration_offset": 10},
+            "population": {"engine": "local", "num_actors": 2},
+            "train": {"num_steps": num_steps, "checkpoint_every": 1000, "summary_every": 2},
+            "eval": {"num_tasks": 2, "num_steps": 5},
+        }
+    )
+
+
+class PopulationThatFailsToClose(LocalPopulation):
+    """A real in-process population whose shutdown fails, as a lost cluster's can."""
+
+    def close(self) -> None:
+        super().close()
+        raise RuntimeError("the population could not be closed")
+
+
+def test_a_failing_shutdown_keeps_the_final_checkpoint_and_the_events(tmp_path):
+    config = _config(tmp_path)
+    with pytest.raises(RuntimeError, match="could not be closed"):
+        train(config, PopulationThatFailsToClose, stream=io.StringIO())
+    run_dir = tmp_path / "owner"
+    # checkpoint_every is far away: this is the final checkpoint, written first.
+    (checkpoint,) = list_checkpoints(run_dir / "checkpoints")
+    assert checkpoint.name == "ckpt_00000006.npz"
+    # The event files were closed (drained) before the population's close failed.
+    assert [step for step, _ in read_scalars(run_dir)["meta_loss"]] == [2, 4, 6]
+
+
+def test_the_local_engine_needs_no_ray_and_reports_its_workers(tmp_path):
+    config = _config(tmp_path)
+    with open_population(config) as population:
+        assert isinstance(population, LocalPopulation)
+        actors = population.describe_actors()
+        assert [a["rank"] for a in actors] == [0, 1]
+        assert {a["node_id"] for a in actors} == {"local"}
+    assert population.workers == []  # closed on exit
+    stream = io.StringIO()
+    result = train(config, stream=stream)
+    assert result.final_step == 6 and not result.interrupted
+    assert "2 actor(s) on 1 node(s)" in stream.getvalue()
