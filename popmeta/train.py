@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,6 +71,37 @@ def _diverged(failures: int, step: int, run: RunDirectory) -> str:
     )
 
 
+class _StopSignals:
+    """SIGINT and SIGTERM ask the loop to stop after the current step; a second SIGINT at once.
+
+    A flag read between steps cannot be lost in the middle of a blocking Ray or
+    XLA call the way a KeyboardInterrupt raised there can, and the run ends
+    with a checkpoint of a complete step. Python runs signal handlers in the
+    main thread only, so elsewhere (a run started from a worker thread) the
+    process keeps its handlers.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        del frame
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
 class RunResult(NamedTuple):
     """What a call of :func:`train` did.
 
@@ -79,7 +112,7 @@ class RunResult(NamedTuple):
       meta_loss_end: mean meta-loss over the last tenth.
       evaluation: the trained and untrained learned optimizers on held-out
         tasks (empty when interrupted or already finished).
-      interrupted: Ctrl-C stopped the run (a checkpoint was written).
+      interrupted: Ctrl-C or SIGTERM stopped the run (a checkpoint was written).
       already_finished: the run had reached ``train.num_steps`` before this
         call, which then started nothing.
     """
@@ -171,7 +204,8 @@ def train(
 
     Writes ``config.yaml``, TensorBoard events and checkpoints under
     ``run_dir/name``. Ctrl-C stops after the current step, saves a checkpoint
-    and closes the event files: the run directory stays consistent.
+    and closes the event files (so does SIGTERM, e.g. from a scheduler that
+    preempts the job): the run directory stays consistent.
 
     Args:
       config: the run's config.
@@ -273,8 +307,9 @@ def _train(
         stats = RoundStats(population.steps_per_estimate, config.task.family)
         progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every)
         closing.callback(progress.close)
+        stop = closing.enter_context(_StopSignals())
         try:
-            while learner.version < tcfg.num_steps:
+            while learner.version < tcfg.num_steps and stop.received is None:
                 gathered = population.gather(learner.theta(), learner.version)
                 agg = aggregate(gathered.estimates)
                 stats.add_round(gathered, agg)
@@ -310,9 +345,11 @@ def _train(
                 )
         except KeyboardInterrupt:
             interrupted = True
-            progress.close()
-            print("\ninterrupted: saving a checkpoint and closing the run", file=stream)
         finally:
+            interrupted = interrupted or stop.received is not None
+            if interrupted:
+                progress.close()
+                print("\ninterrupted: saving a checkpoint and closing the run", file=stream)
             checkpoint()
 
     window = max(1, len(meta_losses) // 10)

@@ -160,7 +160,8 @@ def test_eval_compares_the_checkpoint_with_tuned_baselines(trained):
     assert len(read_scalars(run_dir / "eval" / "adam")["eval/train_loss"]) == 30
 
 
-def test_ctrl_c_saves_a_checkpoint_and_closes_the_run(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_closes_the_run(tmp_path, signum):
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -185,12 +186,14 @@ def test_ctrl_c_saves_a_checkpoint_and_closes_the_run(tmp_path):
         for line in proc.stderr:
             if line.startswith("step 20/") or time.time() > deadline:
                 break
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 130
     assert "interrupted" in out
+    for noise in ("Traceback", "PC: @", "SIGTERM received"):
+        assert noise not in err, err[-2000:]
     checkpoints = list_checkpoints(tmp_path / "runs" / "stop" / "checkpoints")
     assert len(checkpoints) == 1 and int(checkpoints[0].stem.split("_")[1]) >= 20
     assert "meta_loss" in read_scalars(tmp_path / "runs" / "stop")
