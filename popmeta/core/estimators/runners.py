@@ -147,22 +147,11 @@ class _CompiledRunner:
         *,
         num_truncations: int = 1,
     ) -> tuple[EstimatorOut, dict[str, jax.Array]]:
-        """One estimate from ``num_truncations`` truncations; ``state`` is donated.
+        """:meth:`EstimateRunner.compute_gradient_estimate`; ``state`` is donated.
 
-        Args:
-          theta: meta-parameters.
-          state: the worker state from ``init_worker_state`` or the previous
-            call; it is donated and must not be used afterwards.
-          key: key of the call; truncation ``k`` uses
-            ``truncation_keys(key, num_truncations)[k]``.
-          outer_state: passed through to the estimator.
-          num_truncations: K; 1 is exactly ``estimator.estimate``.
-
-        Returns:
-          ``(EstimatorOut, metrics)`` as ``estimator.estimate_many`` returns
-          them. On-device data: one compiled call. Host data and K > 1: K
-          compiled ``estimate`` calls, one ``get_batch`` each, combined with
-          the weighted sums of ``estimate_many``.
+        On-device data: one compiled call. Host data and K > 1: K compiled
+        ``estimate`` calls, one ``get_batch`` each, combined with the weighted
+        sums of ``estimate_many``.
         """
         num_truncations = check_num_truncations(num_truncations)
         estimator = self.estimator
