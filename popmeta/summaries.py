@@ -38,8 +38,10 @@ class RoundStats:
 
     Rates (estimates/s, inner-steps/s) are measured over the whole window, so
     they include gathering, aggregation and the update; counts of dropped,
-    rejected and restarted are totals since the run (re)started, overall and
-    (for drops) per actor rank. The ``trajectory_phase`` histogram pools every
+    rejected, missing (ranks absent from a sync round), lost in flight,
+    accepted late (the async starvation guard) and restarted are totals since
+    the run (re)started, overall and (for drops, missing and late) per actor
+    rank. The ``trajectory_phase`` histogram pools every
     actor's latest task phases: a population in lockstep shows one spike, a
     decorrelated one a flat histogram.
     """
@@ -48,6 +50,9 @@ class RoundStats:
         self.steps_per_estimate = steps_per_estimate
         self.task_family = task_family
         self.dropped_stale_by_actor: dict[int, int] = defaultdict(int)
+        self.missing_by_actor: dict[int, int] = defaultdict(int)
+        self.accepted_late_by_actor: dict[int, int] = defaultdict(int)
+        self.lost_in_flight = 0
         self.rejected_nonfinite = 0
         self.restarts = 0
         self.last_estimates_per_s = 0.0
@@ -69,6 +74,11 @@ class RoundStats:
         self._staleness.extend(gathered.staleness)
         for rank, dropped in gathered.dropped_stale.items():
             self.dropped_stale_by_actor[rank] += dropped
+        for rank in gathered.missing:
+            self.missing_by_actor[rank] += 1
+        for rank, late in gathered.accepted_late.items():
+            self.accepted_late_by_actor[rank] += late
+        self.lost_in_flight += gathered.lost_in_flight
         self.restarts += gathered.restarted
         self.rejected_nonfinite += agg.num_rejected_nonfinite
         if agg.grad is not None:
@@ -95,6 +105,9 @@ class RoundStats:
             "estimates_per_s": self.last_estimates_per_s,
             "inner_steps_per_s": self.last_estimates_per_s * self.steps_per_estimate,
             "dropped_stale": sum(self.dropped_stale_by_actor.values()),
+            "missing_estimates": sum(self.missing_by_actor.values()),
+            "lost_in_flight": self.lost_in_flight,
+            "accepted_late": sum(self.accepted_late_by_actor.values()),
             "rejected_nonfinite": self.rejected_nonfinite,
             "actor_restarts": self.restarts,
             "live_actors": live_actors,
@@ -108,6 +121,10 @@ class RoundStats:
             summaries.histogram(step, "staleness", np.asarray(self._staleness))
         for rank, dropped in self.dropped_stale_by_actor.items():
             values[f"dropped_stale_by_actor/{rank}"] = dropped
+        for rank, missing in self.missing_by_actor.items():
+            values[f"missing_by_actor/{rank}"] = missing
+        for rank, late in self.accepted_late_by_actor.items():
+            values[f"accepted_late_by_actor/{rank}"] = late
         if self._phases:
             phases = np.concatenate([self._phases[rank] for rank in sorted(self._phases)])
             summaries.histogram(step, "trajectory_phase", phases)

@@ -12,6 +12,18 @@ thread that creates them. So when the population asks for pinning, the actor
 sets the affinity of every thread of its process in ``__init__``, before the
 worker module (and with it any JAX computation) runs: XLA's pool, created on
 first use, then lives on the pinned cores.
+
+Starting fast. An actor answers ``info()`` (which makes it *ready* for the
+population's supervisor) only after its estimate is compiled: the constructor
+runs the estimate once on throwaway state, so a replacement joins the
+population at full speed instead of stalling a round with its first compile.
+Compilations go to JAX's persistent compilation cache, so a replacement (or
+the next run) on the same node loads them instead of compiling: by default in
+``<tempdir>/popmeta-jax-cache-<uid>`` on the actor's node, every compilation
+however short. JAX's own variables in ``population.env`` override either:
+``JAX_COMPILATION_CACHE_DIR``, ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
+(``JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES`` and
+``JAX_ENABLE_COMPILATION_CACHE=false`` work as JAX documents them).
 """
 
 from __future__ import annotations
@@ -19,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +42,57 @@ import ray
 from popmeta.config import Config
 from popmeta.estimate import Estimate
 
-__all__ = ["EstimatorActor", "pin_process_to_cores"]
+__all__ = ["EstimatorActor", "default_compilation_cache_dir", "pin_process_to_cores"]
+
+#: JAX's monitoring events for persistent-cache hits and misses.
+_CACHE_EVENTS = {
+    "/jax/compilation_cache/cache_hits": "hits",
+    "/jax/compilation_cache/cache_misses": "misses",
+}
+
+
+def default_compilation_cache_dir() -> str:
+    """The actors' persistent compilation cache unless ``population.env`` names one.
+
+    Per user (cache entries are executables: never shared between users) and
+    on the node's local disk (``tempfile.gettempdir()``), where the actors of
+    that node find one another's compilations.
+    """
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    return os.path.join(tempfile.gettempdir(), f"popmeta-jax-cache-{user}")
+
+
+def use_compilation_cache() -> dict[str, int]:
+    """Turns JAX's persistent compilation cache on for this process; call before it compiles.
+
+    JAX reads ``JAX_COMPILATION_CACHE_DIR`` and the thresholds from the
+    environment when it is imported, and decides at its first compilation
+    whether to use the cache. A directory set in the environment stands; else
+    :func:`default_compilation_cache_dir` is used. Unless
+    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` is set, every compilation is
+    cached: JAX's default (only compilations over one second) would leave out
+    most of an estimator's compilations, each of which a replacement would
+    then redo.
+
+    Returns:
+      Counters of persistent-cache ``hits`` and ``misses`` in this process,
+      updated as JAX compiles.
+    """
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", default_compilation_cache_dir())
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    counts = dict.fromkeys(_CACHE_EVENTS.values(), 0)
+
+    def count(event: str, **kwargs: Any) -> None:
+        del kwargs
+        if event in _CACHE_EVENTS:
+            counts[_CACHE_EVENTS[event]] += 1
+
+    jax.monitoring.register_event_listener(count)
+    return counts
 
 
 def _thread_ids() -> list[int]:
@@ -75,6 +139,32 @@ def _threads_within(cores: set[int]) -> bool:
     return True
 
 
+def _warm_up(worker: Any, config: Config) -> None:
+    """Compiles the worker's estimate by running it once on throwaway state.
+
+    The throwaway state starts from the initial theta with a key of its own;
+    the worker's state and keys are untouched, so its estimates are exactly
+    those of a worker that was not warmed up. The jitted functions compiled are
+    the ones the worker's calls use (same shapes and dtypes, theta as numpy
+    arrays as it arrives from the object store). Skipped when the truncated
+    step pulls host batches: a warm-up call would consume batches that belong
+    to the worker's estimates.
+    """
+    import jax
+
+    from popmeta.experiment import initial_theta
+
+    if getattr(worker.estimator.truncated_step, "host_data", False):
+        return
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(config))
+    key = jax.random.key(0)
+    state = worker.runner.init_worker_state(theta, key)
+    out, _ = worker.runner.compute_gradient_estimate(
+        theta, state, jax.random.fold_in(key, 1), num_truncations=worker.truncations_per_call
+    )
+    jax.block_until_ready(out.grad)
+
+
 def _to_host(tree: Any) -> Any:
     # Ray serialises numpy arrays 2.5-3.5x faster than jax.Array leaves
     # (measured for 1e6-1e7 float32 elements).
@@ -94,6 +184,10 @@ class EstimatorActor:
         fresh keys, so its inner problems restart at new random offsets.
       pin_cpus: core positions to pin this process to before JAX runs (see
         :func:`pin_process_to_cores`), or None to leave affinity alone.
+
+    The constructor returns once the estimate is compiled (see the module's
+    docstring), so ``info()``, queued right after it, answers when the actor is
+    ready to compute at full speed.
     """
 
     def __init__(
@@ -103,6 +197,9 @@ class EstimatorActor:
         restart: int = 0,
         pin_cpus: Sequence[int] | None = None,
     ):
+        start = time.perf_counter()
+        # Before anything compiles: JAX decides once per process whether to use the cache.
+        cache_counts = use_compilation_cache()
         self._pinned = pin_process_to_cores(pin_cpus) if pin_cpus else None
         # Imported only now, after pinning: the worker's first JAX computation
         # creates XLA's CPU thread pool, which must inherit the affinity.
@@ -111,6 +208,15 @@ class EstimatorActor:
         self.rank = rank
         self.restart = restart
         self._worker = EstimatorWorker(config, rank, restart)
+        built = time.perf_counter()
+        _warm_up(self._worker, config)
+        done = time.perf_counter()
+        self._start = {
+            "start_s": done - start,
+            "warm_up_s": done - built,
+            "compilation_cache_hits": cache_counts["hits"],
+            "compilation_cache_misses": cache_counts["misses"],
+        }
 
     def compute(self, theta: Any, version: int) -> Estimate:
         """One gradient estimate on theta version ``version``.
@@ -140,8 +246,13 @@ class EstimatorActor:
           ``pinned_cores`` (None if not pinned), ``allowed_cores`` (this
           thread's affinity), ``threads_pinned`` (every thread within the
           pinned cores), ``jax_local_device_count``, ``num_devices`` (devices
-          the worker's tasks are sharded over), ``num_tasks`` and
-          ``steps_per_estimate``.
+          the worker's tasks are sharded over), ``num_tasks``,
+          ``steps_per_estimate``, ``start_s`` (the constructor's wall time:
+          building the worker and compiling its estimate), ``warm_up_s`` (the
+          compiling part), ``compilation_cache_dir`` (JAX's persistent cache,
+          unless ``JAX_ENABLE_COMPILATION_CACHE=false`` turns it off) and
+          ``compilation_cache_hits`` / ``compilation_cache_misses``
+          (persistent-cache lookups during the constructor).
         """
         import jax
 
@@ -159,4 +270,6 @@ class EstimatorActor:
             "num_devices": int(getattr(self._worker, "num_devices", 1)),
             "num_tasks": int(self._worker.num_tasks),
             "steps_per_estimate": int(self._worker.steps_per_estimate),
+            "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
+            **self._start,
         }

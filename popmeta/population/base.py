@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from popmeta.estimate import Estimate
@@ -21,12 +22,24 @@ class Gathered(NamedTuple):
         (too stale for ``max_staleness``, or a leftover of an earlier sync
         round); ranks without drops are absent.
       restarted: actors replaced while gathering.
+      missing: sync mode: ranks without an estimate in this round, in order
+        (their actor was lost during the round, or is a replacement still
+        starting); empty in async mode, which has no rounds.
+      lost_in_flight: estimates lost with their actor while gathering (calls
+        in flight when it died or passed its deadline).
+      accepted_late: async mode: rank -> estimates of that rank accepted
+        beyond ``max_staleness`` because the rank was starving (its estimates
+        are included in ``estimates`` and their staleness in ``staleness``);
+        ranks without such estimates are absent.
     """
 
     estimates: list[Estimate]
     staleness: list[int]
     dropped_stale: Mapping[int, int]
     restarted: int = 0
+    missing: tuple[int, ...] = ()
+    lost_in_flight: int = 0
+    accepted_late: Mapping[int, int] = MappingProxyType({})
 
 
 class Population(Protocol):

@@ -38,6 +38,7 @@ __all__ = [
     "actor_request",
     "assign_bundle_pins",
     "capacity",
+    "capacity_shortfall",
     "pin_slots",
     "pins_cpus",
     "plan_placement",
@@ -154,6 +155,24 @@ def capacity(nodes: Iterable[NodeSnapshot], request: Mapping[str, float]) -> int
         int(min(node.resources.get(name, 0) / amount for name, amount in request.items()))
         for node in nodes
         if node.alive
+    )
+
+
+def capacity_shortfall(
+    population: PopulationConfig, nodes: Sequence[NodeSnapshot], request: Mapping[str, float]
+) -> str | None:
+    """A warning if the alive nodes cannot host ``num_actors`` actors of ``request`` at once.
+
+    None when they can, and for one-actor-per-node populations (sized by the
+    nodes themselves).
+    """
+    fits = capacity(nodes, request)
+    if population.one_actor_per_node_with is not None or fits >= population.num_actors:
+        return None
+    return (
+        f"the Ray cluster can host {fits} of {population.num_actors} actors needing "
+        f"{dict(request)} each (cluster resources: {total_resources(nodes)}); the others wait "
+        f"up to population.call_timeout_s={population.call_timeout_s}s for resources"
     )
 
 

@@ -1,31 +1,61 @@
 """The Ray population: estimator actors on any node, fed by the learner.
 
-:class:`RayPopulation` is the gather policy (sync or async) on top of an
+:class:`RayPopulation` is a gather policy (:class:`SyncGather` or
+:class:`AsyncGather`) on top of an
 :class:`~popmeta.population.supervisor.ActorSupervisor`, which owns the
-actors: their placement, calls, deadlines and replacement.
+actors: their placement, readiness, calls, deadlines and replacement.
 
 Theta crosses to the actors once per version: one ``ray.put`` whose ObjectRef
 every actor call for that version receives. Estimates come back by value.
+Work goes to *ready* actors only: an actor is ready once it has started and
+compiled its estimate (a replacement loads its compilations from JAX's
+persistent cache, see :mod:`popmeta.actors.actor`).
 
-* ``mode: sync`` -- each :meth:`RayPopulation.gather` asks every live actor for
-  one estimate of this version and returns them in actor-rank order, so a run
-  with a fixed seed is deterministic (and bitwise equal to the local engine).
-  A reply on another version (a leftover of an interrupted earlier gather) is
-  dropped and counted as stale.
-* ``mode: async`` -- every actor keeps ``calls_in_flight`` calls queued, so it
-  never idles waiting for theta, and no actor waits for another. The learner
-  takes estimates in completion order; when a call finishes its actor is
-  resubmitted at once with the newest theta. ``gather`` returns once
-  ``batch_size`` estimates were accepted; one computed on version v is
-  accepted at learner version u only if ``u - v <= max_staleness``, otherwise
-  it is dropped and counted for its rank in ``Gathered.dropped_stale``.
+* ``mode: sync`` -- each round asks every ready actor for one estimate of this
+  version and returns them in actor-rank order, so a run with a fixed seed and
+  no actor losses is deterministic (and bitwise equal to the local engine).
+  A round's members are the actors ready when it starts, and it completes
+  with those that survive it: a rank whose actor is lost during the round has
+  no estimate in it (unless its replacement is ready before the others are
+  done), and a replacement still starting holds no round up; it joins from the
+  first round that starts after it is ready. ``Gathered.missing`` names the
+  ranks without an estimate. A round never ends empty while an actor lives: if
+  every member is lost, it waits for the first actor to be ready and takes its
+  estimate. A reply on another version (a leftover of an interrupted earlier
+  gather) is dropped and counted as stale.
+* ``mode: async`` -- every ready actor keeps ``calls_in_flight`` calls queued,
+  so it never idles waiting for theta, and no actor waits for another. The
+  learner takes estimates in completion order; when a call finishes its actor
+  is resubmitted at once with the newest theta. ``gather`` returns once
+  ``batch_size`` estimates were accepted. One computed on version v is
+  accepted at learner version u if ``u - v <= max_staleness``; otherwise it is
+  dropped and counted for its rank in ``Gathered.dropped_stale``, unless its
+  rank is *starving* (below).
+
+Starvation guard (async). An actor slower than the learner's staleness
+window has every estimate dropped, for ever: its inner problems (its tasks,
+possibly its hardware's share of the task distribution) silently vanish from
+the meta-gradient, biasing it towards the fast actors' tasks. Equal actors can
+lock into the same state: with queued calls, the one that falls behind keeps
+computing on theta that its faster peer has already made too old. So every
+live rank gets at least one estimate accepted per ``8 * ceil(N / batch_size)``
+learner updates (N ranks; eight times the average spacing of one rank's
+estimates when all keep pace, :func:`starving_after`): a rank that has gone
+that long without one is *starving*, and its next reply is accepted whatever
+its staleness, at full weight, and counted in ``Gathered.accepted_late`` (its
+staleness goes into ``Gathered.staleness`` as it is). An actor slower than
+that has every estimate used, as often as it delivers them; actors that keep
+pace are not affected. Full weight, because down-weighting by staleness would
+shrink exactly the share the guard restores; the price is that a slow actor's
+estimates are as old as it is slow, and that ``max_staleness`` bounds every
+estimate except those counted in ``accepted_late``.
 
 A lost actor (dead, or no estimate within ``call_timeout_s``) is replaced by a
 fresh one of the same rank and the next ``restart`` number: the actor derives
 new keys from it, so its inner problems restart at new random offsets. Its
-in-flight estimates are lost and the run goes on; the replacements of each
-round are reported in ``Gathered.restarted``. After ``max_actor_restarts``
-replacements ``gather`` raises ``RuntimeError``.
+calls in flight are lost (``Gathered.lost_in_flight``) and the run goes on;
+the replacements of each gather are reported in ``Gathered.restarted``. After
+``max_actor_restarts`` replacements ``gather`` raises ``RuntimeError``.
 
 The population never starts or stops Ray: it uses the instance initialised in
 this process (the run opens it with
@@ -34,6 +64,7 @@ this process (the run opens it with
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ray
@@ -44,7 +75,161 @@ from popmeta.estimate import Estimate
 from popmeta.population.base import Gathered
 from popmeta.population.supervisor import ActorSupervisor
 
-__all__ = ["RayPopulation"]
+__all__ = ["STARVING_SPACINGS", "AsyncGather", "RayPopulation", "SyncGather", "starving_after"]
+
+#: How many times the average spacing of one rank's accepted estimates an async
+#: rank may go without one before it is starving (see :func:`starving_after`).
+STARVING_SPACINGS = 8
+
+
+def _submit(supervisor: ActorSupervisor, rank: int, theta_ref: Any, version: int) -> None:
+    # The call's tag is the theta version it computes on.
+    supervisor.submit(rank, version, "compute", theta_ref, version)
+
+
+def _count(counts: dict[int, int], rank: int) -> None:
+    counts[rank] = counts.get(rank, 0) + 1
+
+
+def starving_after(num_ranks: int, batch_size: int) -> int:
+    """Learner updates without an accepted estimate after which an async rank is starving.
+
+    When every rank keeps pace, one rank's accepted estimates are
+    ``num_ranks / batch_size`` updates apart on average (at least one); a rank
+    is starving after :data:`STARVING_SPACINGS` times that (rounded up).
+    """
+    return STARVING_SPACINGS * math.ceil(num_ranks / batch_size)
+
+
+class SyncGather:
+    """Sync rounds: one estimate per ready actor of this version, in rank order.
+
+    Args:
+      supervisor: the actors; each has ``compute(theta, version) -> Estimate``.
+    """
+
+    def __init__(self, supervisor: ActorSupervisor):
+        self._supervisor = supervisor
+
+    def gather(self, theta_ref: Any, version: int) -> Gathered:
+        """One round on theta ``version`` (``theta_ref``: its ObjectRef).
+
+        Returns:
+          The round's estimates in rank order, the ranks ``missing`` from it,
+          and the leftovers of earlier rounds dropped as stale;
+          ``restarted`` and ``lost_in_flight`` are left to the caller.
+        """
+        supervisor = self._supervisor
+        results: dict[int, Estimate] = {}
+        dropped: dict[int, int] = {}
+        # The round's actors: those ready now. A rank whose actor is lost stops
+        # counting while its replacement starts, and counts again once ready.
+        members = set(supervisor.ready_ranks)
+        while True:
+            ready = set(supervisor.ready_ranks)
+            if not results and not members & ready:
+                # Nobody of the round is left: whoever is ready (now, or once
+                # a replacement has started) joins it.
+                members = ready
+            pending = sorted(rank for rank in members & ready if rank not in results)
+            if results and not pending:
+                break
+            for rank in pending:
+                # Work for a rank without it: at the start, after a call that
+                # brought nothing, or after a leftover of an earlier round came back.
+                if supervisor.in_flight(rank) == 0:
+                    _submit(supervisor, rank, theta_ref, version)
+            reply = supervisor.next_reply()
+            if reply is None:
+                continue
+            if reply.tag == version and reply.rank not in results:
+                results[reply.rank] = reply.value
+            else:
+                _count(dropped, reply.rank)
+        # A rank retired meanwhile (its node was lost) leaves its estimate out.
+        live = supervisor.ranks
+        estimates = [results[rank] for rank in sorted(results) if rank in live]
+        missing = tuple(rank for rank in live if rank not in results)
+        return Gathered(estimates, [0] * len(estimates), dropped, missing=missing)
+
+
+class AsyncGather:
+    """Async updates: ``batch_size`` estimates in completion order, staleness bounded.
+
+    Args:
+      supervisor: the actors; each has ``compute(theta, version) -> Estimate``.
+      batch_size: estimates per update.
+      max_staleness: the largest ``u - v`` accepted at learner version u for an
+        estimate on version v, from ranks that are not starving.
+      calls_in_flight: calls each ready actor keeps queued.
+      starvation_guard: accept a starving rank's next reply whatever its
+        staleness (see the module's docstring and :func:`starving_after`);
+        False: every estimate beyond ``max_staleness`` is dropped, however
+        long a rank starves.
+    """
+
+    def __init__(
+        self,
+        supervisor: ActorSupervisor,
+        *,
+        batch_size: int,
+        max_staleness: int,
+        calls_in_flight: int,
+        starvation_guard: bool = True,
+    ):
+        self._supervisor = supervisor
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.calls_in_flight = calls_in_flight
+        self.starvation_guard = starvation_guard
+        # Rank -> the learner version at which it last had an estimate
+        # accepted, or its actor was first given work.
+        self._last_accepted: dict[int, int] = {}
+
+    def _top_up(self, theta_ref: Any, version: int) -> None:
+        supervisor = self._supervisor
+        ready = supervisor.ready_ranks
+        for rank in set(self._last_accepted) - set(ready):
+            del self._last_accepted[rank]  # lost: its replacement starts a clock of its own
+        for rank in ready:
+            self._last_accepted.setdefault(rank, version)
+            while supervisor.in_flight(rank) < self.calls_in_flight:
+                _submit(supervisor, rank, theta_ref, version)
+
+    def _starving(self, rank: int, version: int) -> bool:
+        waited = version - self._last_accepted.get(rank, version)
+        limit = starving_after(len(self._supervisor.ranks), self.batch_size)
+        return self.starvation_guard and waited >= limit
+
+    def gather(self, theta_ref: Any, version: int) -> Gathered:
+        """Estimates for the update of learner version ``version`` (``theta_ref``: its theta).
+
+        Returns:
+          ``batch_size`` accepted estimates in completion order with their
+          staleness, the drops per rank and the late acceptances per rank;
+          ``restarted`` and ``lost_in_flight`` are left to the caller.
+        """
+        accepted: list[Estimate] = []
+        staleness: list[int] = []
+        dropped: dict[int, int] = {}
+        late: dict[int, int] = {}
+        self._top_up(theta_ref, version)
+        while len(accepted) < self.batch_size:
+            reply = self._supervisor.next_reply()
+            # The finished actor (or one just ready) goes to work on the newest theta.
+            self._top_up(theta_ref, version)
+            if reply is None:
+                continue
+            stale = version - reply.tag
+            if stale > self.max_staleness:
+                if not self._starving(reply.rank, version):
+                    _count(dropped, reply.rank)
+                    continue
+                _count(late, reply.rank)
+            self._last_accepted[reply.rank] = version
+            accepted.append(reply.value)
+            staleness.append(stale)
+        return Gathered(accepted, staleness, dropped, accepted_late=late)
 
 
 class RayPopulation:
@@ -67,7 +252,7 @@ class RayPopulation:
                 "popmeta.population.ray_runtime.start_ray_for(config.population), e.g. "
                 "`with start_ray_for(config.population): RayPopulation(config)`"
             )
-        self._pc = config.population
+        pc = self._pc = config.population
         self._theta_ref: Any = None
         self._theta_version: int | None = None
         self._closed = False
@@ -75,7 +260,17 @@ class RayPopulation:
         def actor_args(rank: int, restart: int, pin: tuple[int, ...] | None) -> tuple[Any, ...]:
             return config, rank, restart, pin
 
-        self._supervisor = ActorSupervisor(EstimatorActor, actor_args, config.population)
+        self._supervisor = ActorSupervisor(EstimatorActor, actor_args, pc)
+        self._policy: SyncGather | AsyncGather
+        if pc.mode == "sync":
+            self._policy = SyncGather(self._supervisor)
+        else:
+            self._policy = AsyncGather(
+                self._supervisor,
+                batch_size=pc.batch_size,
+                max_staleness=pc.max_staleness,
+                calls_in_flight=pc.calls_in_flight,
+            )
         try:
             first = self._supervisor.describe()[0]
             self._steps_per_estimate = int(first["steps_per_estimate"])
@@ -85,7 +280,7 @@ class RayPopulation:
 
     @property
     def num_live(self) -> int:
-        """Actors serving a rank now (replacements included)."""
+        """Actors serving a rank now (replacements still starting included)."""
         return len(self._supervisor.ranks)
 
     @property
@@ -101,21 +296,26 @@ class RayPopulation:
           version: the learner's version.
 
         Returns:
-          Sync mode: one estimate per live actor, in rank order. Async mode:
-          ``batch_size`` accepted estimates in completion order. Either way
-          with their staleness, the estimates dropped as stale per rank, and
-          the actors replaced during this call.
+          Sync mode: one estimate per actor of the round, in rank order, and
+          the ranks missing from it. Async mode: ``batch_size`` accepted
+          estimates in completion order. Either way with their staleness, the
+          estimates dropped as stale per rank, the actors replaced and the
+          estimates lost in flight during this call.
         """
         if self._closed:
             raise RuntimeError("gather() on a closed RayPopulation")
-        restarts_before = self._supervisor.num_restarts
-        self._put_theta(theta, version)
-        if self._pc.mode == "sync":
-            estimates, staleness, dropped = self._gather_sync(version)
-        else:
-            estimates, staleness, dropped = self._gather_async(version)
-        restarted = self._supervisor.num_restarts - restarts_before
-        return Gathered(estimates, staleness, dropped, restarted)
+        supervisor = self._supervisor
+        restarts, lost = supervisor.num_restarts, supervisor.num_lost_calls
+        # One put per version: repeated gathers of one version (a round whose
+        # estimates were all unusable) reuse the ref.
+        if self._theta_version != version or self._theta_ref is None:
+            self._theta_ref = ray.put(theta)
+            self._theta_version = version
+        gathered = self._policy.gather(self._theta_ref, version)
+        return gathered._replace(
+            restarted=supervisor.num_restarts - restarts,
+            lost_in_flight=supervisor.num_lost_calls - lost,
+        )
 
     def describe_actors(self) -> list[dict[str, Any]]:
         """Each live actor's :meth:`~popmeta.actors.actor.EstimatorActor.info`, in rank order.
@@ -138,69 +338,3 @@ class RayPopulation:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ policies
-
-    def _put_theta(self, theta: Any, version: int) -> None:
-        # One put per version: repeated gathers of one version (a round whose
-        # estimates were all unusable) reuse the ref.
-        if self._theta_version != version or self._theta_ref is None:
-            self._theta_ref = ray.put(theta)
-            self._theta_version = version
-
-    def _submit(self, rank: int) -> None:
-        # The call's tag is the theta version it computes on.
-        self._supervisor.submit(
-            rank, self._theta_version, "compute", self._theta_ref, self._theta_version
-        )
-
-    def _gather_sync(self, version: int) -> tuple[list[Estimate], list[int], dict[int, int]]:
-        supervisor = self._supervisor
-        results: dict[int, Estimate] = {}
-        dropped: dict[int, int] = {}
-
-        def feed() -> None:
-            # A rank without a result and without work gets this version: at
-            # the start, after a replacement, after a call that brought
-            # nothing, or after a leftover of an interrupted gather came back.
-            for rank in supervisor.ranks:
-                if rank not in results and supervisor.in_flight(rank) == 0:
-                    self._submit(rank)
-
-        feed()
-        while any(rank not in results for rank in supervisor.ranks):
-            reply = supervisor.next_reply()
-            if reply is not None:
-                if reply.tag == version and reply.rank not in results:
-                    results[reply.rank] = reply.value
-                else:
-                    dropped[reply.rank] = dropped.get(reply.rank, 0) + 1
-            feed()
-        # A rank retired meanwhile (its node was lost) leaves its estimate out.
-        live = set(supervisor.ranks)
-        estimates = [results[rank] for rank in sorted(results) if rank in live]
-        return estimates, [0] * len(estimates), dropped
-
-    def _top_up(self) -> None:
-        for rank in self._supervisor.ranks:
-            while self._supervisor.in_flight(rank) < self._pc.calls_in_flight:
-                self._submit(rank)
-
-    def _gather_async(self, version: int) -> tuple[list[Estimate], list[int], dict[int, int]]:
-        accepted: list[Estimate] = []
-        staleness: list[int] = []
-        dropped: dict[int, int] = {}
-        self._top_up()
-        while len(accepted) < self._pc.batch_size:
-            reply = self._supervisor.next_reply()
-            # The finished actor goes straight back to work on the newest theta.
-            self._top_up()
-            if reply is None:
-                continue
-            stale = version - reply.tag
-            if stale > self._pc.max_staleness:
-                dropped[reply.rank] = dropped.get(reply.rank, 0) + 1
-                continue
-            accepted.append(reply.value)
-            staleness.append(stale)
-        return accepted, staleness, dropped

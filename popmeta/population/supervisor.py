@@ -1,25 +1,24 @@
-"""A supervisor for a set of Ray actors: spawning, calls, deadlines, replacement.
+"""A supervisor for a set of Ray actors: spawning, readiness, calls, deadlines, replacement.
 
 :class:`ActorSupervisor` owns one actor per rank and knows nothing about what
 the actors compute: callers submit calls with a tag of their choosing and get
 :class:`Reply` records (rank, tag, value) back in completion order.
 
-* Spawning follows a :class:`~popmeta.population.placement.PlacementPlan`
-  (node affinity, a ``PACK`` placement group reserved before any actor
-  starts, or Ray's default), with ``max_restarts=0`` and ``max_task_retries=0``:
-  Ray never restarts an actor or re-runs a call behind the supervisor's back.
+* Spawning follows a :class:`~popmeta.population.placement.PlacementPlan`, with
+  ``max_restarts=0`` and ``max_task_retries=0``: Ray never restarts an actor or
+  re-runs a call behind the supervisor's back.
 * Each actor has an ``info() -> dict`` method, queued right after its
-  constructor (so it runs first); :meth:`ActorSupervisor.describe` reports it.
-* An actor with calls in flight that delivers nothing for ``call_timeout_s``
-  (from its last reply, or from when it got work while idle) is lost.
-* ``ActorUnavailableError`` is transient (e.g. a network blip): that call is
-  lost but the actor is kept, and the caller resubmits as after any call that
-  brought nothing; the deadline runs on from the first such error, so an actor
-  that stays unavailable is replaced in the end. Any other ``RayActorError``
-  (``ActorDiedError``: its process or node is gone) is final.
+  constructor. An actor is *ready* once ``info()`` has answered; callers give
+  work to ready actors only, so a replacement that is still starting holds
+  nobody up.
+* An actor is lost when it dies (``RayActorError`` other than
+  ``ActorUnavailableError``, which is transient: that call is lost, the actor
+  kept), or when for ``call_timeout_s`` it has not started, or has had calls in
+  flight and delivered nothing (counted from its spawn, its last reply, when it
+  got work while idle, or its first ``ActorUnavailableError``).
 * A lost actor is killed and a new one takes its rank with ``restart + 1``;
-  its calls in flight are lost and late replies of the old actor are never
-  returned. The loss after ``max_actor_restarts`` replacements raises
+  its calls in flight are lost (counted) and late replies of the old actor
+  are never returned. The loss after ``max_actor_restarts`` replacements raises
   ``RuntimeError``. With one actor per node the replacement stays on its node
   if that is alive, else goes to an alive carrier node without an actor; if
   there is none the rank is retired and the others go on.
@@ -37,27 +36,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import ray
+import ray.util
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-from ray.util.placement_group import (
-    PlacementGroup,
-    placement_group,
-    placement_group_table,
-    remove_placement_group,
-)
-from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
-    PlacementGroupSchedulingStrategy,
-)
+from ray.util import scheduling_strategies as strategies
+from ray.util.placement_group import PlacementGroup
 
 from popmeta.config import PopulationConfig
-from popmeta.population.placement import (
-    ActorPlacement,
-    NodeSnapshot,
-    assign_bundle_pins,
-    capacity,
-    plan_placement,
-    replacement_node,
-)
+from popmeta.population import placement as plans
+from popmeta.population.placement import ActorPlacement, NodeSnapshot
 
 __all__ = ["ActorArgs", "ActorSupervisor", "Reply"]
 
@@ -97,10 +83,15 @@ class _Actor:
     in_flight: int = 0
     last_progress: float = 0.0
     unavailable_since: float | None = None
+    spawned_at: float = 0.0
 
     @property
     def rank(self) -> int:
         return self.placement.rank
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None
 
     def deadline(self, timeout_s: float) -> float:
         start = self.last_progress if self.unavailable_since is None else self.unavailable_since
@@ -136,6 +127,7 @@ class ActorSupervisor:
         self._pg: PlacementGroup | None = None
         self._strategy = "default"
         self._num_restarts = 0
+        self._num_lost_calls = 0
         self._closed = False
         try:
             self._start()
@@ -151,51 +143,72 @@ class ActorSupervisor:
         return sorted(self._actors)
 
     @property
+    def ready_ranks(self) -> list[int]:
+        """Ranks whose actor is ready (has answered ``info()``), in order."""
+        return [rank for rank in self.ranks if self._actors[rank].ready]
+
+    @property
     def num_restarts(self) -> int:
         """Actors replaced so far."""
         return self._num_restarts
+
+    @property
+    def num_lost_calls(self) -> int:
+        """Calls lost so far because their actor was lost with them in flight."""
+        return self._num_lost_calls
 
     def in_flight(self, rank: int) -> int:
         """Calls submitted to ``rank``'s current actor and not yet returned."""
         return self._actors[rank].in_flight
 
     def submit(self, rank: int, tag: Any, method: str, *args: Any) -> None:
-        """Calls ``method(*args)`` on ``rank``'s actor; its reply will carry ``tag``."""
+        """Calls ``method(*args)`` on ``rank``'s actor; its reply will carry ``tag``.
+
+        An actor that is not ready yet runs the call after its start; its
+        deadline still runs from its spawn.
+        """
         actor = self._actors[rank]
         ref = getattr(actor.handle, method).remote(*args)
-        if actor.in_flight == 0 and actor.unavailable_since is None:
+        if actor.ready and actor.in_flight == 0 and actor.unavailable_since is None:
             # An idle actor's deadline starts when it gets work.
             actor.last_progress = time.monotonic()
         actor.in_flight += 1
         self._calls[ref] = _Call(rank, actor.restart, tag)
 
     def next_reply(self) -> Reply | None:
-        """Waits for the next call to finish.
+        """Waits for the next call to finish, or for a starting actor to become ready.
 
         Returns:
-          Its reply; or None if the call brought nothing (its actor was lost
-          and replaced, or was unavailable), if an actor passed its deadline
-          and was replaced, or if no call is in flight. The caller then
-          resubmits to whichever ranks need work.
+          The call's reply; or None if the call brought nothing (its actor was
+          lost and replaced, or was unavailable), if an actor became ready or
+          was lost while starting, if an actor passed its deadline and was
+          replaced, or if no call is in flight and no actor is starting. The
+          caller then gives work to whichever ready ranks need it.
 
         Raises:
           RuntimeError: an actor was lost beyond ``max_actor_restarts``, or
             the last rank of a one-per-node population was retired.
         """
-        if not self._calls:
+        starting = {a.info_ref: a for a in self._actors.values() if not a.ready}
+        if not self._calls and not starting:
             return None
         timeout_s = self._pc.call_timeout_s
-        busy = [actor for actor in self._actors.values() if actor.in_flight > 0]
+        watched = [a for a in self._actors.values() if a.in_flight > 0 or not a.ready]
         now = time.monotonic()
-        until = min((a.deadline(timeout_s) for a in busy), default=now + timeout_s)
-        ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=max(0.0, until - now))
+        until = min((a.deadline(timeout_s) for a in watched), default=now + timeout_s)
+        refs = [*self._calls, *starting]
+        ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, until - now))
         if not ready:
             now = time.monotonic()
-            for actor in busy:
+            for actor in watched:
                 if self._actors.get(actor.rank) is actor and now >= actor.deadline(timeout_s):
-                    self._replace(actor, f"no reply within population.call_timeout_s={timeout_s}s")
+                    what = "reply" if actor.ready else "start"
+                    self._replace(actor, f"no {what} within population.call_timeout_s={timeout_s}s")
             return None
         ref = ready[0]
+        if ref in starting:
+            self._info(starting[ref], wait=False)
+            return None
         call = self._calls.pop(ref)
         actor = self._actors.get(call.rank)
         if actor is None or actor.restart != call.restart:
@@ -204,12 +217,14 @@ class ActorSupervisor:
         try:
             value = ray.get(ref, timeout=timeout_s)
         except ActorUnavailableError as err:  # a RayActorError too: caught first
+            self._num_lost_calls += 1
             if actor.unavailable_since is None:
                 actor.unavailable_since = time.monotonic()
             log.debug("actor %d unavailable, its call is lost: %r", actor.rank, err)
             time.sleep(UNAVAILABLE_BACKOFF_S)
             return None
         except RayActorError as err:
+            self._num_lost_calls += 1
             self._replace(actor, repr(err))
             return None
         actor.last_progress = time.monotonic()
@@ -220,9 +235,10 @@ class ActorSupervisor:
         """Each live actor's ``info()``, in rank order.
 
         Waits up to ``call_timeout_s`` for a replacement that has not answered
-        yet; an actor that fails to answer is left out.
+        yet; an actor that fails to answer is left out (and replaced).
         """
-        infos = (self._info(self._actors[rank]) for rank in self.ranks)
+        # .get: an actor lost while starting may retire its rank meanwhile.
+        infos = (self._info(a, wait=True) for r in self.ranks if (a := self._actors.get(r)))
         return [info for info in infos if info is not None]
 
     def close(self) -> None:
@@ -237,7 +253,7 @@ class ActorSupervisor:
             if self._pg is not None:
                 # Failing means Ray already dropped it: nothing left to release.
                 with contextlib.suppress(Exception):
-                    remove_placement_group(self._pg)
+                    ray.util.remove_placement_group(self._pg)
         self._actors.clear()
         self._pg = None
 
@@ -246,23 +262,15 @@ class ActorSupervisor:
     def _start(self) -> None:
         pc = self._pc
         nodes = _nodes()
-        plan = plan_placement(pc, nodes)
-        fits = capacity(nodes, plan.request)
-        if pc.one_actor_per_node_with is None and fits < pc.num_actors:
+        plan = plans.plan_placement(pc, nodes)
+        shortfall = plans.capacity_shortfall(pc, nodes, plan.request)
+        if shortfall is not None:
             # Not fatal: an autoscaler may add nodes. But say so now, not after the timeout.
-            log.warning(
-                "the Ray cluster can host %d of %d actors needing %s each (cluster resources: "
-                "%s); the others wait up to population.call_timeout_s=%ss for resources",
-                fits,
-                pc.num_actors,
-                dict(plan.request),
-                ray.cluster_resources(),
-                pc.call_timeout_s,
-            )
+            log.warning("%s", shortfall)
         self._strategy = plan.strategy
         placements = list(plan.actors)
         if plan.bundles:
-            self._pg = placement_group([dict(b) for b in plan.bundles], strategy="PACK")
+            self._pg = ray.util.placement_group([dict(b) for b in plan.bundles], strategy="PACK")
             try:
                 ray.get(self._pg.ready(), timeout=pc.call_timeout_s)
             except GetTimeoutError:
@@ -276,29 +284,13 @@ class ActorSupervisor:
             actor = _Actor(placement, restart=0)
             self._spawn(actor)
             self._actors[placement.rank] = actor
-        self._await_started(plan.request)
-
-    def _await_started(self, request: Any) -> None:
-        pc = self._pc
-        refs = [actor.info_ref for actor in self._actors.values()]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=pc.call_timeout_s)
-        ready_set = set(ready)
-        for actor in self._actors.values():
-            if actor.info_ref not in ready_set:
-                raise RuntimeError(
-                    f"actor {actor.rank} did not start within population.call_timeout_s="
-                    f"{pc.call_timeout_s}s; each actor needs {dict(request)}, the cluster "
-                    f"has {ray.cluster_resources()} in all"
-                )
-            try:
-                actor.info = ray.get(actor.info_ref, timeout=pc.call_timeout_s)
-            except RayActorError as err:
-                raise RuntimeError(f"actor {actor.rank} failed to start: {err}") from err
+        for actor in self._actors.values():  # they start side by side
+            self._info(actor, wait=True, first=True)
 
     def _with_bundle_nodes(self, placements: list[ActorPlacement]) -> list[ActorPlacement]:
         assert self._pg is not None
-        table = placement_group_table(self._pg).get("bundles_to_node_id", {})
-        return assign_bundle_pins(placements, table, _nodes(), self._pc.num_cpus)
+        table = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {})
+        return plans.assign_bundle_pins(placements, table, _nodes(), self._pc.num_cpus)
 
     def _spawn(self, actor: _Actor) -> None:
         pc = self._pc
@@ -312,11 +304,11 @@ class ActorSupervisor:
             "max_task_retries": 0,
         }
         if self._strategy == "node_affinity":
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+            options["scheduling_strategy"] = strategies.NodeAffinitySchedulingStrategy(
                 placement.node_id, soft=False
             )
         elif self._strategy == "placement_group" and placement.bundle is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            options["scheduling_strategy"] = strategies.PlacementGroupSchedulingStrategy(
                 self._pg, placement_group_bundle_index=placement.bundle
             )
         args = self._actor_args(placement.rank, actor.restart, placement.pin)
@@ -324,19 +316,39 @@ class ActorSupervisor:
         actor.info_ref = actor.handle.info.remote()
         actor.info = None
         actor.in_flight = 0
-        actor.last_progress = time.monotonic()
+        actor.last_progress = actor.spawned_at = time.monotonic()
         actor.unavailable_since = None
 
-    def _info(self, actor: _Actor) -> dict[str, Any] | None:
+    def _info(self, actor: _Actor, wait: bool, first: bool = False) -> dict[str, Any] | None:
+        """The actor's ``info()``, which makes it ready; None if it has not answered.
+
+        An actor whose ``info()`` fails (it died while starting, or its
+        constructor raised) is replaced; at the population's start (``first``)
+        that, and not answering within ``call_timeout_s``, raise ``RuntimeError``.
+        """
         if actor.info is None:
             timeout_s = self._pc.call_timeout_s
-            ready, _ = ray.wait([actor.info_ref], timeout=timeout_s)
+            ready, _ = ray.wait([actor.info_ref], timeout=timeout_s if wait else 0)
+            if not ready and first:
+                raise RuntimeError(
+                    f"actor {actor.rank} did not start within population.call_timeout_s="
+                    f"{timeout_s}s; each actor needs {plans.actor_request(self._pc)}, the "
+                    f"cluster has {ray.cluster_resources()} in all"
+                )
             if not ready:
                 return None
             try:
-                actor.info = ray.get(actor.info_ref, timeout=timeout_s)
-            except RayActorError:
+                info = ray.get(actor.info_ref, timeout=timeout_s)
+            except RayActorError as err:
+                if first:
+                    raise RuntimeError(f"actor {actor.rank} failed to start: {err}") from err
+                self._replace(actor, f"lost while starting: {err!r}")
                 return None
+            actor.info = info
+            actor.last_progress = time.monotonic()
+            if actor.restart:  # a replacement: how long its rank had no actor at work
+                took = actor.last_progress - actor.spawned_at
+                log.info("actor %d (restart %d) ready in %.1fs", actor.rank, actor.restart, took)
         return actor.info
 
     # ------------------------------------------------------------------ loss
@@ -354,10 +366,11 @@ class ActorSupervisor:
         lost = (actor.rank, actor.restart)
         for ref in [r for r, call in self._calls.items() if (call.rank, call.restart) == lost]:
             del self._calls[ref]
+            self._num_lost_calls += 1
         self._kill(actor)
         resource = pc.one_actor_per_node_with
         if resource is not None:
-            node = replacement_node(
+            node = plans.replacement_node(
                 resource,
                 actor.placement.node_id,
                 [a.placement.node_id for a in self._actors.values() if a is not actor],

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import ray
 
+from popmeta.actors.actor import default_compilation_cache_dir
 from popmeta.estimate import aggregate
 from popmeta.experiment import initial_theta
 from popmeta.learner.checkpoints import restore_latest
@@ -89,7 +90,10 @@ def test_sync_rounds_have_one_fresh_estimate_per_rank_and_nothing_dropped(sync_r
     for rounds in (sync_runs["ray_rounds"], sync_runs["local_rounds"]):
         assert [[e.worker for e in g.estimates] for g in rounds] == [[0, 1]] * len(rounds)
         assert [g.staleness for g in rounds] == [[0, 0]] * len(rounds)
-        assert [(dict(g.dropped_stale), g.restarted) for g in rounds] == [({}, 0)] * len(rounds)
+        outcome = [
+            (dict(g.dropped_stale), g.restarted, g.missing, g.lost_in_flight) for g in rounds
+        ]
+        assert outcome == [({}, 0, (), 0)] * len(rounds)
 
 
 def test_local_population_describes_its_workers_in_this_process(sync_runs):
@@ -129,7 +133,12 @@ def test_async_updates_use_batch_size_estimates_within_the_staleness_bound(
     assert [len(g.estimates) for g in rounds] == [batch_size] * steps
     assert [len(g.staleness) for g in rounds] == [batch_size] * steps
     staleness = [s for g in rounds for s in g.staleness]
-    assert all(0 <= s <= max_staleness for s in staleness)
+    # Beyond the bound only what the starvation guard accepted (a rank that
+    # had nothing accepted for 16 updates: rare here, but a loaded machine can
+    # hold one actor back that long).
+    late = sum(sum(g.accepted_late.values()) for g in rounds)
+    assert all(s >= 0 for s in staleness)
+    assert sum(s > max_staleness for s in staleness) == late
     # Drops are reported per rank and round; ranks without drops are absent.
     assert all(set(g.dropped_stale) <= {0, 1} for g in rounds)
     assert all(n > 0 for g in rounds for n in g.dropped_stale.values())
@@ -234,16 +243,24 @@ def test_killed_actor_is_replaced_and_the_run_goes_on(ray_session, caplog, mode)
         while restarted == 0:
             assert time.monotonic() < deadline, "the killed actor was never replaced"
             gathered = update()
-            assert len(gathered.estimates) == 2
             restarted += gathered.restarted
-        assert restarted == 1
+            if mode == "async":
+                assert len(gathered.estimates) == 2 and gathered.missing == ()
+        assert restarted == 1 and gathered.lost_in_flight >= 1
+        if mode == "sync":
+            # The round that lost rank 0 completed with rank 1's estimate alone.
+            assert [e.worker for e in gathered.estimates] == [1] and gathered.missing == (0,)
         assert population.num_live == 2
+        assert "replaced it with restart 1" in caplog.text
+
+        # Rounds go on while the replacement starts; once ready it is back in
+        # them (sync: every round), and nothing else is replaced.
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while mode == "sync" and update().missing:
+            assert time.monotonic() < deadline, "the replacement never joined a round"
         after = population.describe_actors()
         assert [(i["rank"], i["restart"]) for i in after] == [(0, 1), (1, 0)]
         assert after[0]["pid"] != before[0]["pid"] and after[1]["pid"] == before[1]["pid"]
-        assert "replaced it with restart 1" in caplog.text
-
-        # The run goes on with both ranks, and nothing else is replaced.
         ranks = set()
         for _ in range(4):
             gathered = update()
@@ -251,6 +268,35 @@ def test_killed_actor_is_replaced_and_the_run_goes_on(ray_session, caplog, mode)
             ranks.update(e.worker for e in gathered.estimates)
         if mode == "sync":
             assert ranks == {0, 1}
+
+
+def test_replacements_start_compiled_from_the_persistent_cache(ray_session, tmp_path):
+    cache = tmp_path / "jax-cache"
+    config = tiny_config(
+        num_actors=1, max_actor_restarts=1, env={"JAX_COMPILATION_CACHE_DIR": str(cache)}
+    )
+    with RayPopulation(config) as population:
+        (cold,) = population.describe_actors()
+        # The estimate was compiled (and cached) before the actor said it was ready.
+        assert cold["compilation_cache_dir"] == str(cache)
+        assert cold["compilation_cache_misses"] > 0 and cold["compilation_cache_hits"] == 0
+        assert any(cache.iterdir())
+        kill_actor_process(cold)
+        # The round waits for the replacement: no other actor is left.
+        gathered = population.gather(Learner(config).theta(), 0)
+        assert gathered.restarted == 1 and len(gathered.estimates) == 1
+        (warm,) = population.describe_actors()
+        assert warm["restart"] == 1
+        # Everything the cold actor compiled, the replacement loaded.
+        assert warm["compilation_cache_hits"] >= cold["compilation_cache_misses"]
+        assert warm["compilation_cache_misses"] == 0
+
+
+def test_actors_use_a_per_user_compilation_cache_by_default(ray_session):
+    with RayPopulation(tiny_config(num_actors=1)) as population:
+        (info,) = population.describe_actors()
+    assert info["compilation_cache_dir"] == default_compilation_cache_dir()
+    assert str(os.getuid()) in info["compilation_cache_dir"]
 
 
 def test_population_gives_up_beyond_max_actor_restarts(ray_session):

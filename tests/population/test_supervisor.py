@@ -1,4 +1,5 @@
-"""The actor supervisor with a trivial actor (no JAX): tags, deadlines, replacement, close."""
+"""The actor supervisor with a trivial actor (no JAX): tags, readiness, deadlines, replacement,
+close."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ TIMEOUT_S = 8.0
 
 @ray.remote
 class Sleeper:
-    """Answers after sleeping; reports who it is."""
+    """Answers after sleeping; reports who it is. Its start takes ``start_s``, or fails."""
 
-    def __init__(self, rank: int, restart: int):
+    def __init__(self, rank: int, restart: int, start_s: float = 0.0, fail: bool = False):
+        time.sleep(start_s)
+        if fail:
+            raise ValueError(f"actor {rank} restart {restart} cannot start")
         self.rank = rank
         self.restart = restart
 
@@ -35,12 +39,20 @@ class Sleeper:
         return self.rank, self.restart, value
 
 
-def supervisor(**fields: Any) -> ActorSupervisor:
+def supervisor(
+    starts: dict[int, tuple[float, bool]] | None = None, **fields: Any
+) -> ActorSupervisor:
+    """Sleepers; ``starts`` maps a restart number to (start seconds, fails) for its actors."""
     population = PopulationConfig(
         **{"num_actors": 2, "num_cpus": 0.5, "pin_cpus": False, "call_timeout_s": TIMEOUT_S}
         | fields
     )
-    return ActorSupervisor(Sleeper, lambda rank, restart, pin: (rank, restart), population)
+    starts = starts or {}
+
+    def args(rank: int, restart: int, pin: Any) -> tuple[Any, ...]:
+        return rank, restart, *starts.get(restart, (0.0, False))
+
+    return ActorSupervisor(Sleeper, args, population)
 
 
 def test_replies_carry_their_tags_in_completion_order(ray_session):
@@ -87,6 +99,35 @@ def test_a_loss_beyond_max_actor_restarts_raises(ray_session):
                 if sup.in_flight(0) == 0:
                     sup.submit(0, "doomed", "run", 0.0, None)
                 assert sup.next_reply() is None
+    finally:
+        sup.close()
+
+
+def test_a_replacement_is_ready_once_it_has_started_and_only_then(ray_session):
+    # Restart 1 fails in its constructor, restart 2 takes 2 s to start.
+    sup = supervisor({1: (0.0, True), 2: (2.0, False)}, max_actor_restarts=3)
+    try:
+        assert sup.ready_ranks == [0, 1]
+        sup.submit(0, "x", "run", 0.0, None)
+        os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
+        # The call is lost with its actor; the failed start is replaced too.
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        while sup.num_restarts < 2:
+            assert time.monotonic() < deadline
+            assert sup.next_reply() is None
+        assert sup.num_lost_calls == 1
+        assert sup.ranks == [0, 1] and sup.ready_ranks == [1]
+        # Nothing is in flight: next_reply waits for the starting actor, and
+        # returns None when it is ready.
+        start = time.monotonic()
+        while sup.ready_ranks != [0, 1]:
+            assert time.monotonic() - start < 3 * TIMEOUT_S
+            assert sup.next_reply() is None
+        assert time.monotonic() - start > 0.5
+        assert [(i["rank"], i["restart"]) for i in sup.describe()] == [(0, 2), (1, 0)]
+        sup.submit(0, "y", "run", 0.0, "z")
+        assert sup.next_reply() == Reply(0, "y", (0, 2, "z"))
+        assert sup.num_restarts == 2 and sup.num_lost_calls == 1
     finally:
         sup.close()
 

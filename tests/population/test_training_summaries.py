@@ -50,7 +50,11 @@ def test_async_run_summaries_are_complete_and_sane(ray_session, tmp_path):
     ):
         assert np.all(values(tag) > 0), tag
     staleness_max = values("staleness_max")
-    assert np.all(staleness_max <= 1) and np.all(values("staleness_mean") <= staleness_max)
+    # Above the bound only where the starvation guard let a starving actor's estimate in.
+    late_in_window = np.diff(values("accepted_late"), prepend=0)
+    assert np.all((staleness_max <= 1) | (late_in_window > 0))
+    assert np.all(values("staleness_mean") <= staleness_max)
+    assert np.all(values("missing_estimates") == 0) and np.all(values("lost_in_flight") == 0)
     assert np.any(staleness_max == 1)  # queued calls really run on older theta
     assert [n for _, n in histograms["staleness"]] == [20] * 6
     dropped = values("dropped_stale")
