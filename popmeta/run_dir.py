@@ -20,25 +20,29 @@ a name must never mix two experiments, so before anything starts:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from popmeta.config import Config, config_from_dict, config_to_dict, config_to_yaml
-from popmeta.learner.checkpoints import list_checkpoints, read_checkpoint_metadata
+from popmeta.config import Config, config_from_dict, config_to_yaml
+from popmeta.learner.checkpoints import (
+    checkpoint_step,
+    list_checkpoints,
+    read_checkpoint_metadata,
+)
 
 __all__ = [
     "SAFE_TO_CHANGE",
     "RunDirectory",
     "RunDirectoryError",
-    "checkpoint_step",
     "config_differences",
 ]
 
@@ -64,13 +68,16 @@ class RunDirectoryError(RuntimeError):
     """The run directory cannot host this start; the message says why and what to do."""
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def _fields(config: Config) -> dict[str, Any]:
+    """Every field as ``section.field`` (or ``field`` at the top) -> value, from the schema."""
     flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping) and key != "resources" and key != "env":
-            flat.update(_flatten(value, f"{prefix}{key}."))
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            for inner in dataclasses.fields(value):
+                flat[f"{field.name}.{inner.name}"] = getattr(value, inner.name)
         else:
-            flat[f"{prefix}{key}"] = value
+            flat[field.name] = value
     return flat
 
 
@@ -78,25 +85,14 @@ def _safe(field: str) -> bool:
     return any(field == s or (s.endswith(".") and field.startswith(s)) for s in SAFE_TO_CHANGE)
 
 
-def config_differences(recorded: Config, new: Config, *, all_fields: bool = False) -> list[str]:
-    """``"field: old -> new"`` for each field that differs, unsafe ones only unless ``all_fields``."""
-    old_flat = _flatten(config_to_dict(recorded))
-    new_flat = _flatten(config_to_dict(new))
+def config_differences(recorded: Config, new: Config) -> list[str]:
+    """``"field: old -> new"`` for each field that differs and is not safe to change."""
+    old_fields, new_fields = _fields(recorded), _fields(new)
     return [
-        f"{field}: {old_flat.get(field)!r} -> {new_flat.get(field)!r}"
-        for field in sorted(old_flat.keys() | new_flat.keys())
-        if old_flat.get(field) != new_flat.get(field) and (all_fields or not _safe(field))
+        f"{name}: {old_fields[name]!r} -> {new_fields[name]!r}"
+        for name in sorted(old_fields)
+        if old_fields[name] != new_fields[name] and not _safe(name)
     ]
-
-
-def _is_checkpoint_name(path: Path) -> bool:
-    stem = path.stem
-    return path.suffix == ".npz" and stem.startswith("ckpt_") and stem[5:].isdigit()
-
-
-def checkpoint_step(path: Path) -> int:
-    """The learner step a checkpoint file holds, from its name ``ckpt_<step>.npz``."""
-    return int(path.stem.split("_")[1])
 
 
 class RunDirectory:
@@ -127,11 +123,6 @@ class RunDirectory:
                 f"{self.config_file} cannot be read back as a popmeta config ({err}); "
                 f"start a new run with --set name=NEW, or restore that file"
             ) from None
-
-    def newest_step(self) -> int | None:
-        """The step of the newest checkpoint file, or None if there is none."""
-        checkpoints = list_checkpoints(self.checkpoints)
-        return checkpoint_step(checkpoints[-1]) if checkpoints else None
 
     def check_identity(self) -> None:
         """Refuses a start whose config changes what the recorded run is.
@@ -235,16 +226,11 @@ class RunDirectory:
         Raises:
           RunDirectoryError: the file is not a readable checkpoint.
         """
-        if not _is_checkpoint_name(checkpoint):
-            raise RunDirectoryError(
-                f"--from-checkpoint {checkpoint}: expected a ckpt_<step>.npz file written by "
-                "popmeta train"
-            )
         try:
+            step = checkpoint_step(checkpoint)
             read_checkpoint_metadata(checkpoint)
         except (OSError, ValueError) as err:
             raise RunDirectoryError(f"--from-checkpoint {checkpoint}: {err}") from None
-        step = checkpoint_step(checkpoint)
         later = [p for p in list_checkpoints(self.checkpoints) if checkpoint_step(p) > step]
         if later:
             aside = self.path / f"checkpoints-after-{step}-{time.strftime('%Y%m%d-%H%M%S')}"

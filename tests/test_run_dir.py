@@ -11,29 +11,14 @@ import sys
 
 import pytest
 
-from popmeta.config import ConfigError, config_from_dict, config_to_dict
+from popmeta.config import ConfigError, config_to_dict
 from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.run_dir import RunDirectory, RunDirectoryError, config_differences
 from popmeta.train import DivergedError, train
 from tests.events import read_scalars
+from tests.local_run import local_config
 
-
-def _config(run_dir, **sections):
-    base = {
-        "name": "ident",
-        "run_dir": str(run_dir),
-        "task": {"family": "fixed_dim_quadratic", "dim": 3},
-        "learned_optimizer": {"kind": "learnable_sgd"},
-        "truncation": {"length": 10},
-        "estimator": {"num_tasks": 2, "trunc_length": 5, "random_initial_iteration_offset": 10},
-        "outer_optimizer": {"learning_rate": 0.01},
-        "population": {"engine": "local"},
-        "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 2},
-        "eval": {"num_tasks": 2, "num_steps": 5},
-    }
-    for section, values in sections.items():
-        base[section] = {**base.get(section, {}), **values} if isinstance(values, dict) else values
-    return config_from_dict(base)
+_config = local_config
 
 
 def _never(config):

@@ -6,26 +6,19 @@ import io
 
 import pytest
 
-from popmeta.config import config_from_dict
 from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.population.local import LocalPopulation
 from popmeta.train import open_population, train
 from tests.events import read_scalars
+from tests.local_run import local_config
 
 
-def _config(run_dir, num_steps=6):
-    return config_from_dict(
-        {
-            "name": "owner",
-            "run_dir": str(run_dir),
-            "task": {"family": "fixed_dim_quadratic", "dim": 3},
-            "learned_optimizer": {"kind": "learnable_sgd"},
-            "truncation": {"length": 10},
-            "estimator": {"num_tasks": 2, "trunc_length": 5, "random_initial_iteration_offset": 10},
-            "population": {"engine": "local", "num_actors": 2},
-            "train": {"num_steps": num_steps, "checkpoint_every": 1000, "summary_every": 2},
-            "eval": {"num_tasks": 2, "num_steps": 5},
-        }
+def _config(run_dir):
+    return local_config(
+        run_dir,
+        name="owner",
+        population={"num_actors": 2},
+        train={"num_steps": 6, "checkpoint_every": 1000},
     )
 
 

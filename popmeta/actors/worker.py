@@ -56,16 +56,16 @@ def _runner(config: Config, estimator: GradientEstimator) -> EstimateRunner:
       ValueError: if the tasks are to be sharded and do not split evenly over the devices.
     """
     devices = jax.local_devices() if config.population.shard_tasks else []
-    num_tasks = estimator.truncated_step.num_tasks
-    if len(devices) > 1 and num_tasks % len(devices):
-        # Checked here as well as by ShardedRunner, to name the config fields that fix it.
+    try:
+        return make_runner(estimator, devices)
+    except ValueError as err:
+        # ShardedRunner checks the split; this names the config fields that fix it.
         raise ValueError(
-            f"estimator.num_tasks ({num_tasks}) must be a multiple of the number of local "
-            f"devices ({len(devices)}: {', '.join(str(d) for d in devices)}) to shard the "
-            f"tasks over them; set estimator.num_tasks to a multiple of {len(devices)} or "
+            f"estimator.num_tasks ({estimator.truncated_step.num_tasks}) cannot be sharded over "
+            f"the local devices ({len(devices)}: {', '.join(str(d) for d in devices)}): {err}; "
+            f"set estimator.num_tasks to a multiple of {len(devices)} or "
             "population.shard_tasks=false"
-        )
-    return make_runner(estimator, devices)
+        ) from None
 
 
 def _phases_fn(estimator: GradientEstimator, state: Any) -> Callable[[Any], jax.Array] | None:

@@ -92,17 +92,25 @@ def checkpoint_path(directory: PathLike, step: int) -> Path:
     return Path(directory) / f"ckpt_{int(step):08d}.npz"
 
 
+def checkpoint_step(path: PathLike) -> int:
+    """The learner step a checkpoint file holds, from its name ``ckpt_<step>.npz``.
+
+    Raises:
+      ValueError: the name is not one :func:`checkpoint_path` writes.
+    """
+    match = _CKPT_RE.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path}: expected a ckpt_<step>.npz file written by popmeta train")
+    return int(match.group(1))
+
+
 def list_checkpoints(directory: PathLike) -> list[Path]:
     """Checkpoint files in ``directory``, oldest (lowest step) first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = []
-    for entry in directory.iterdir():
-        match = _CKPT_RE.match(entry.name)
-        if match and entry.is_file():
-            found.append((int(match.group(1)), entry))
-    return [path for _, path in sorted(found)]
+    found = [entry for entry in directory.iterdir() if _CKPT_RE.match(entry.name)]
+    return sorted((entry for entry in found if entry.is_file()), key=checkpoint_step)
 
 
 def _is_prng_key(x: Any) -> bool:

@@ -131,12 +131,32 @@ _jitted_means = jax.jit(weighted_means)
 
 
 class _CompiledRunner:
-    """The host side of a call, shared by the runners; subclasses supply ``jitted_estimate``."""
+    """What the runners share: one compiled estimate per K, and the host side of a call.
+
+    Subclasses say how to compile (``_compile``); the cache and the call are here.
+    """
 
     estimator: Estimator
+    _estimate_fns: dict[int, CompiledEstimate]
+
+    def _compile(self, num_truncations: int) -> CompiledEstimate:
+        raise NotImplementedError
 
     def jitted_estimate(self, num_truncations: int = 1) -> CompiledEstimate:
-        raise NotImplementedError
+        """Jitted ``estimate`` (K = 1) or ``estimate_many`` (K > 1), the state donated.
+
+        Args:
+          num_truncations: K.
+
+        Returns:
+          A callable taking ``(theta, state, key, data, outer_state)``; the
+          same object for every call with the same K.
+        """
+        num_truncations = check_num_truncations(num_truncations)
+        fn = self._estimate_fns.get(num_truncations)
+        if fn is None:
+            fn = self._estimate_fns[num_truncations] = self._compile(num_truncations)
+        return fn
 
     def compute_gradient_estimate(
         self,
@@ -201,22 +221,8 @@ class SingleDeviceRunner(_CompiledRunner):
             self._init_fn = jax.jit(self.estimator.init_worker_state)
         return self._init_fn(theta, key, outer_state)
 
-    def jitted_estimate(self, num_truncations: int = 1) -> CompiledEstimate:
-        """Jitted ``estimate`` (K = 1) or ``estimate_many`` (K > 1), the state donated.
-
-        Args:
-          num_truncations: K.
-
-        Returns:
-          A callable taking ``(theta, state, key, data, outer_state)``; the
-          same object for every call with the same K.
-        """
-        num_truncations = check_num_truncations(num_truncations)
-        fn = self._estimate_fns.get(num_truncations)
-        if fn is None:
-            fn = jax.jit(_estimate_or_many(self.estimator, num_truncations), donate_argnums=(1,))
-            self._estimate_fns[num_truncations] = fn
-        return fn
+    def _compile(self, num_truncations: int) -> CompiledEstimate:
+        return jax.jit(_estimate_or_many(self.estimator, num_truncations), donate_argnums=(1,))
 
 
 def task_mesh(devices: Sequence[jax.Device], axis_name: str = TASK_AXIS) -> Mesh:
@@ -316,34 +322,22 @@ class ShardedRunner(_CompiledRunner):
             )
         return self._init_fn(theta, key, outer_state)
 
-    def jitted_estimate(self, num_truncations: int = 1) -> CompiledEstimate:
-        """Sharded, jitted ``estimate`` (K = 1) or ``estimate_many`` (K > 1), the state donated.
-
-        Args:
-          num_truncations: K.
-
-        Returns:
-          A callable taking ``(theta, state, key, data, outer_state)``; the
-          same object for every call with the same K.
+    def _compile(self, num_truncations: int) -> CompiledEstimate:
+        """The sharded compile; ``init_worker_state`` must have fixed the state's sharding.
 
         Raises:
-          RuntimeError: before ``init_worker_state``, which fixes the state's sharding.
+          RuntimeError: before ``init_worker_state``.
         """
-        num_truncations = check_num_truncations(num_truncations)
         if self._state_sharding is None:
             raise RuntimeError("call init_worker_state before jitted_estimate")
-        fn = self._estimate_fns.get(num_truncations)
-        if fn is None:
-            rep, state_sharding = self.replicated, self._state_sharding
-            fn = jax.jit(
-                _estimate_or_many(self.estimator, num_truncations),
-                in_shardings=(rep, state_sharding, rep, self.data_sharding, rep),
-                # A single sharding is a prefix for the whole grad / metrics pytree.
-                out_shardings=(EstimatorOut(rep, rep, rep, state_sharding), rep),
-                donate_argnums=(1,),
-            )
-            self._estimate_fns[num_truncations] = fn
-        return fn
+        rep, state_sharding = self.replicated, self._state_sharding
+        return jax.jit(
+            _estimate_or_many(self.estimator, num_truncations),
+            in_shardings=(rep, state_sharding, rep, self.data_sharding, rep),
+            # A single sharding is a prefix for the whole grad / metrics pytree.
+            out_shardings=(EstimatorOut(rep, rep, rep, state_sharding), rep),
+            donate_argnums=(1,),
+        )
 
 
 def make_runner(

@@ -1,0 +1,28 @@
+"""A tiny local-engine run config shared by the run-loop and run-directory tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from popmeta.config import Config, config_from_dict
+
+__all__ = ["local_config"]
+
+
+def local_config(run_dir: Any, name: str = "ident", **sections: dict[str, Any]) -> Config:
+    """Quadratics with learnable SGD on the local engine; ``sections`` update the defaults."""
+    base: dict[str, Any] = {
+        "name": name,
+        "run_dir": str(run_dir),
+        "task": {"family": "fixed_dim_quadratic", "dim": 3},
+        "learned_optimizer": {"kind": "learnable_sgd"},
+        "truncation": {"length": 10},
+        "estimator": {"num_tasks": 2, "trunc_length": 5, "random_initial_iteration_offset": 10},
+        "outer_optimizer": {"learning_rate": 0.01},
+        "population": {"engine": "local"},
+        "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 2},
+        "eval": {"num_tasks": 2, "num_steps": 5},
+    }
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return config_from_dict(base)
