@@ -308,25 +308,6 @@ def startup(args: argparse.Namespace) -> None:
                 print(f"  kill -> replacement's first estimate, {label:<20} {text} s", flush=True)
 
 
-def quiet_worker_deaths() -> None:
-    """Drops Ray's "A worker died or was killed" messages, which the soak causes on purpose.
-
-    Ray's driver prints every error its raylet publishes to stdout from a
-    thread of its own (``ray._private.worker.listen_error_messages``), whatever
-    ``log_to_driver`` says; an actor death is one of them, a long paragraph.
-    """
-    import ray._private.worker as ray_worker
-
-    original = ray_worker.print_to_stdstream
-
-    def print_to_stdstream(data, ignore_prefix):
-        lines = [line for line in data.get("lines", []) if "A worker died" not in str(line)]
-        if lines:
-            original({**data, "lines": lines}, ignore_prefix)
-
-    ray_worker.print_to_stdstream = print_to_stdstream
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=2.0)
@@ -344,7 +325,6 @@ def main() -> int:
     # Each replacement logs a warning: keep the report readable.
     logging.getLogger("popmeta").propagate = False
     logging.getLogger("popmeta").addHandler(logging.NullHandler())
-    quiet_worker_deaths()
     if args.startup:
         startup(args)
         return 0

@@ -11,6 +11,10 @@ from popmeta.config import ConfigError, config_to_yaml, load_config
 
 __all__ = ["main"]
 
+#: Exit status of a run stopped because a file could not be written (sysexits.h's
+#: EX_IOERR): a scheduler can tell it from a bad config (2) or a divergence (1).
+EX_IOERR = 74
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -60,6 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("checkpoint", help="a ckpt_*.npz file written by `popmeta train`")
     evaluate.add_argument("--out", default=None, help="output folder (default: RUN/eval)")
+    evaluate.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="eval.KEY=VALUE",
+        help="change an eval field of the checkpoint's config, e.g. eval.num_tasks=64",
+    )
     return parser
 
 
@@ -72,7 +84,7 @@ def _version() -> str:
 
 def _train(config, from_checkpoint: str | None) -> int:
     from popmeta.run_dir import RunDirectoryError
-    from popmeta.train import DivergedError, train
+    from popmeta.train import DivergedError, RunWriteError, train
 
     pop = config.population
     print(
@@ -89,6 +101,9 @@ def _train(config, from_checkpoint: str | None) -> int:
     except DivergedError as err:
         print(f"popmeta: {err}", file=sys.stderr)
         return 1
+    except RunWriteError as err:
+        print(f"popmeta: {err}", file=sys.stderr)
+        return EX_IOERR
     if result.already_finished:
         return 0
     print(f"\nrun directory: {result.run_dir} (TensorBoard: tensorboard --logdir {result.run_dir})")
@@ -97,28 +112,41 @@ def _train(config, from_checkpoint: str | None) -> int:
         f"(step {result.final_step})"
     )
     if result.evaluation:
-        ev = config.eval
-        print(f"evaluation on {ev.num_tasks} held-out tasks, {ev.num_steps} inner steps each:")
-        print(f"  {'theta':<10} {'mean train loss':>16} {'final test loss':>16}")
-        for name, r in result.evaluation.items():
-            print(f"  {name:<10} {r.mean_train_loss:>16.4f} {r.final_eval_loss:>16.4f}")
-        trained, untrained = result.evaluation["trained"], result.evaluation["untrained"]
-        ratio = untrained.mean_train_loss / max(trained.mean_train_loss, 1e-12)
-        print(f"  the trained learned optimizer reaches {ratio:.2f}x lower mean training loss")
+        from popmeta.evaluate import format_reports
+
+        print("\n" + format_reports(result.evaluation), end="")
+        print(
+            "`popmeta eval` on the last checkpoint adds the longer horizon and the "
+            "out-of-distribution settings, a PNG and a CSV"
+        )
     return 130 if result.interrupted else 0
 
 
-def _eval(checkpoint: str, out: str | None) -> int:
-    from popmeta.evaluate import evaluate_checkpoint
+def _eval(checkpoint: str, out: str | None, overrides: list[str]) -> int:
+    from popmeta.config import config_from_dict, config_to_dict
+    from popmeta.evaluate import evaluate_checkpoint, format_reports
+
+    for override in overrides:
+        if not override.startswith("eval."):
+            print(
+                f"popmeta: eval --set {override}: only eval.* fields can change; the rest "
+                "of the config is the checkpoint's own",
+                file=sys.stderr,
+            )
+            return 2
+
+    def with_overrides(config):
+        return config_from_dict(config_to_dict(config), "the checkpoint's config", overrides)
 
     try:
-        results = evaluate_checkpoint(checkpoint, out)
+        reports, written = evaluate_checkpoint(checkpoint, out, config_changes=with_overrides)
     except (OSError, ValueError) as err:
         print(f"popmeta: {err}", file=sys.stderr)
         return 2
-    print(f"{'optimizer':<22} {'mean train loss':>16} {'final test loss':>16}")
-    for name, r in sorted(results.items(), key=lambda kv: kv[1].mean_train_loss):
-        print(f"{name:<22} {r.mean_train_loss:>16.4f} {r.final_eval_loss:>16.4f}")
+    print(format_reports(reports), end="")
+    print(f"curves (PNG): {written.png}")
+    print(f"table (CSV):  {written.csv}")
+    print(f"TensorBoard:  tensorboard --logdir {written.tensorboard}")
     return 0
 
 
@@ -127,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("popmeta").setLevel(logging.INFO)
     if args.command == "eval":
-        return _eval(args.checkpoint, args.out)
+        return _eval(args.checkpoint, args.out, args.overrides)
     if args.command == "kinds":
         from popmeta.registry import render_markdown
 

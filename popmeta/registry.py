@@ -148,7 +148,8 @@ def _quadratic(cfg: Any) -> TaskFamily:
 
 
 @TASK_FAMILIES.register(
-    "fixed_dim_quadratic", "diagonal quadratics of `task.dim` dimensions with log-uniform curvature"
+    "fixed_dim_quadratic",
+    "`sum((t - p)**2)` in `task.dim` dimensions, target `t ~ N(0, I)` sampled per task",
 )
 def _fixed_dim_quadratic(cfg: Any) -> TaskFamily:
     return FixedDimQuadraticFamily(cfg.dim)
@@ -156,7 +157,7 @@ def _fixed_dim_quadratic(cfg: Any) -> TaskFamily:
 
 @TASK_FAMILIES.register(
     "fixed_dim_quadratic_data",
-    "stochastic diagonal quadratics whose optimum is seen through noisy batches",
+    "`fixed_dim_quadratic` plus scalar `N(0, 1)` noise data; meta-loss clipped to [0, 1000]",
 )
 def _fixed_dim_quadratic_data(cfg: Any) -> TaskFamily:
     return FixedDimQuadraticFamilyData(cfg.dim)

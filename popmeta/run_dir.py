@@ -15,6 +15,25 @@ a name must never mix two experiments, so before anything starts:
   its process dies, so a stale lock file of a killed run is simply taken over;
 * a start that fails leaves the directory as it found it: the directory is
   created, and the config recorded, only once the run is about to train.
+
+A run directory may also be a storage URI (``run_dir: s3://bucket/runs``,
+``gs://...``, anything :mod:`popmeta.storage` reaches), so that a run
+survives the loss of the node that drives it. The run then works in a local
+staging directory (:attr:`RunDirectory.path`) that mirrors the remote one:
+
+* on start, after the lock is taken, the recorded ``config.yaml`` and the
+  checkpoints are downloaded, so identity checks, resume and
+  ``--from-checkpoint`` work exactly as on local disk;
+* ``config.yaml`` is uploaded when it is recorded, each checkpoint when it is
+  written, event files at most every :data:`SYNC_EVERY_S` seconds while
+  summaries are written, and everything once more when the run ends (also
+  when it fails), before the lock is released. Every upload is whole and
+  atomic (see :mod:`popmeta.storage`). An upload that fails while the run
+  trains is logged and retried by the next one; a failed final upload is an
+  error that names the staging directory, which is then kept;
+* the lock is a :class:`~popmeta.storage.RemoteLock` object with a heartbeat,
+  taken over once its heartbeat is :data:`LOCK_STALE_AFTER_S` seconds old (a
+  lost head node never releases its lock).
 """
 
 from __future__ import annotations
@@ -22,10 +41,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +59,16 @@ from popmeta.learner.checkpoints import (
     checkpoint_step,
     list_checkpoints,
     read_checkpoint_metadata,
+)
+from popmeta.storage import (
+    Mirror,
+    RemoteDir,
+    RemoteLock,
+    StorageError,
+    is_remote,
+    join,
+    local_path,
+    parent,
 )
 
 __all__ = [
@@ -62,6 +94,15 @@ SAFE_TO_CHANGE = (
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
+#: Seconds between uploads of a remote run's event files while it trains.
+SYNC_EVERY_S = 30.0
+#: Seconds between heartbeats of a remote run's lock.
+LOCK_HEARTBEAT_S = 30.0
+#: Age of the last heartbeat after which a remote run's lock is taken over.
+LOCK_STALE_AFTER_S = 180.0
+
+
+log = logging.getLogger("popmeta")
 
 
 class RunDirectoryError(RuntimeError):
@@ -104,8 +145,29 @@ class RunDirectory:
 
     def __init__(self, config: Config):
         self.config = config
-        self.path = Path(config.run_dir) / config.name
+        self.remote_uri: str | None = None
+        if is_remote(config.run_dir):
+            self.remote_uri = join(config.run_dir, config.name)
+            # Created by claim(); a fresh name per start, so nothing stale is ever read.
+            staging = f"popmeta-staging-{uuid.uuid4().hex[:12]}"
+            self.path = Path(tempfile.gettempdir()) / staging / config.name
+        else:
+            self.path = local_path(config.run_dir) / config.name
         self.checkpoints = self.path / "checkpoints"
+        self._mirror: Mirror | None = None
+        self._lock: RemoteLock | None = None
+        self._last_sync = 0.0
+
+    @property
+    def location(self) -> Path | str:
+        """Where the run lives: the local directory, or the storage URI."""
+        return self.remote_uri or self.path
+
+    def location_of(self, path: Path) -> Path | str:
+        """The lasting name of a file under :attr:`path` (its URI for a remote run)."""
+        if self.remote_uri is None:
+            return path
+        return join(self.remote_uri, path.relative_to(self.path).as_posix())
 
     @property
     def config_file(self) -> Path:
@@ -134,7 +196,7 @@ class RunDirectory:
         if recorded is None:
             if list_checkpoints(self.checkpoints):
                 raise RunDirectoryError(
-                    f"{self.path} holds checkpoints but no {CONFIG_FILE}: it is not a run this "
+                    f"{self.location} holds checkpoints but no {CONFIG_FILE}: it is not a run this "
                     f"version of popmeta can identify; start a new run with --set name=NEW"
                 )
             return
@@ -143,18 +205,28 @@ class RunDirectory:
             newest = list_checkpoints(self.checkpoints)
             takeover = (
                 f", or take this run over from one of its checkpoints with the new config: "
-                f"--from-checkpoint {newest[-1]}"
+                f"--from-checkpoint {self.location_of(newest[-1])}"
                 if newest
                 else ""
             )
             raise RunDirectoryError(
-                f"{self.path} holds a run with another config; it differs in "
+                f"{self.location} holds a run with another config; it differs in "
                 + "; ".join(differences)
                 + f". Start a new run with --set name=NEW{takeover}."
             )
 
     def check_writable(self) -> None:
-        """Refuses a run directory that cannot be created or written, before anything starts."""
+        """Refuses a run directory that cannot be created or written, before anything starts.
+
+        For a storage URI: the storage's fsspec implementation is installed
+        and its bucket (or top directory) exists and answers.
+        """
+        if self.remote_uri is not None:
+            try:
+                RemoteDir(self.remote_uri).check_reachable()
+            except StorageError as err:
+                raise RunDirectoryError(f"run_dir: {err}") from None
+            return
         existing = self.path
         while not existing.exists():
             existing = existing.parent
@@ -175,13 +247,31 @@ class RunDirectory:
         A directory this call created is removed again if the body fails
         before :meth:`record_config`; the lock file goes with the run.
 
+        For a storage URI the lock is the remote lock object, the directory
+        is the staging one, the recorded config and checkpoints are
+        downloaded into it first, and everything is uploaded once more before
+        the lock is released (see the module docstring).
+
         Raises:
-          RunDirectoryError: another live process holds the lock.
+          RunDirectoryError: another live process holds the lock, or the
+            storage fails at the start or at the final upload.
         """
+        if self.remote_uri is not None:
+            with self._claim_remote():
+                yield
+            return
         created = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
         lock_path = self.path / LOCK_FILE
-        handle = open(lock_path, "a+")  # noqa: SIM115 -- held for the whole run
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            handle = open(lock_path, "a+")  # noqa: SIM115 -- held for the whole run
+        except OSError as err:
+            if created:
+                shutil.rmtree(self.path, ignore_errors=True)
+            raise RunDirectoryError(
+                f"cannot create the run's lock file {lock_path}: {err.strerror or err}; make "
+                f"{self.path} writable (or free space on its disk), or choose another run_dir"
+            ) from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -192,10 +282,13 @@ class RunDirectory:
                 f"{self.path} is in use by a live run ({holder}); wait for it to end, "
                 f"or start this one with --set name=NEW"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n")
-        handle.flush()
+        # Who holds the lock is only information for a refused second start: a
+        # full disk must not stop the run here (its checkpoints report that).
+        with contextlib.suppress(OSError):
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n")
+            handle.flush()
         self._recorded = False
         try:
             yield
@@ -211,10 +304,136 @@ class RunDirectory:
                     lock_path.unlink()
                 handle.close()
 
+    @contextlib.contextmanager
+    def _claim_remote(self) -> Iterator[None]:
+        assert self.remote_uri is not None
+        remote = RemoteDir(self.remote_uri)
+        lock = RemoteLock(remote, LOCK_FILE, LOCK_HEARTBEAT_S, LOCK_STALE_AFTER_S)
+        try:
+            lock.acquire()
+        except StorageError as err:
+            raise RunDirectoryError(str(err)) from None
+        self._recorded = False
+        self._lock, self._mirror = lock, Mirror(self.path, remote)
+        synced = False
+        try:
+            try:
+                self.path.mkdir(parents=True)
+                self._mirror.pull(CONFIG_FILE)
+                self._mirror.pull_dir("checkpoints", ".npz")
+            except (OSError, StorageError) as err:
+                raise RunDirectoryError(
+                    f"{self.remote_uri}: cannot download the recorded run ({err})"
+                ) from None
+            try:
+                yield
+            except BaseException as err:
+                # A failed run keeps what it saved (its final checkpoint above all).
+                if self._recorded:
+                    try:
+                        self._final_sync()
+                        synced = True
+                    except RunDirectoryError as sync_err:
+                        log.error("%s", sync_err)
+                        err.add_note(str(sync_err))
+                else:
+                    synced = True  # nothing of this start reached the bucket
+                raise
+            if self._recorded:
+                self._final_sync()
+            synced = True
+        finally:
+            lock.release()
+            self._lock = self._mirror = None
+            if synced:
+                shutil.rmtree(self.path.parent, ignore_errors=True)
+
+    def _final_sync(self) -> None:
+        try:
+            self.sync(final=True)
+        except (StorageError, RunDirectoryError) as err:
+            raise RunDirectoryError(
+                f"{err}. The run's files are kept in {self.path}; copy them to "
+                f"{self.remote_uri} (e.g. with your storage's command line tool) before "
+                f"resuming there"
+            ) from None
+
+    def sync(self, final: bool = False) -> None:
+        """Uploads a remote run's new and changed files now; nothing for a local run.
+
+        Args:
+          final: raise when an upload fails (else it is logged and retried
+            by the next sync).
+
+        Raises:
+          RunDirectoryError: another start took the lock over, so this run
+            must stop writing there; or a final upload failed.
+        """
+        if self._mirror is None:
+            return
+        assert self._lock is not None
+        if self._lock.lost is not None:
+            raise RunDirectoryError(
+                f"{self.remote_uri}: the lock was taken over by {self._lock.lost} (this run's "
+                f"heartbeats had stopped for over {LOCK_STALE_AFTER_S:.0f} s); this run stopped "
+                f"writing there"
+            )
+        self._last_sync = time.monotonic()
+        try:
+            self._mirror.sync()
+        except StorageError as err:
+            if final:
+                raise
+            log.warning("%s; retried at the next upload", err)
+
+    def sync_if_due(self) -> None:
+        """:meth:`sync` when :data:`SYNC_EVERY_S` seconds have passed since the last one."""
+        if self._mirror is not None and time.monotonic() - self._last_sync >= SYNC_EVERY_S:
+            self.sync()
+
+    def fetch_checkpoint(self, location: str | Path) -> Path:
+        """A local path of the checkpoint at ``location`` (a path, or a storage URI).
+
+        A checkpoint of this remote run is the staged copy; any other remote
+        one is downloaded into the staging directory (never uploaded back).
+
+        Raises:
+          RunDirectoryError: the file does not exist or cannot be downloaded.
+        """
+        if not is_remote(location):
+            return local_path(location)
+        uri = str(location)
+        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        if self.remote_uri is not None and parent(uri) == join(self.remote_uri, "checkpoints"):
+            staged = self.checkpoints / name
+            if staged.is_file():
+                return staged
+        try:
+            return RemoteDir(parent(uri)).download(name, self.path / ".incoming" / name)
+        except FileNotFoundError:
+            raise RunDirectoryError(f"--from-checkpoint {uri}: no such file") from None
+        except (OSError, StorageError) as err:
+            raise RunDirectoryError(f"--from-checkpoint {uri}: {err}") from None
+
     def record_config(self) -> None:
-        """Writes the resolved config; the run directory is this experiment's from now on."""
-        self.config_file.write_text(config_to_yaml(self.config), encoding="utf-8")
+        """Writes the resolved config; the run directory is this experiment's from now on.
+
+        Written to a temporary file and renamed into place: a write that fails
+        (a full disk) leaves the previously recorded config whole.
+
+        Raises:
+          OSError: the file could not be written.
+        """
+        partial = self.config_file.with_name(CONFIG_FILE + ".partial")
+        try:
+            partial.write_text(config_to_yaml(self.config), encoding="utf-8")
+            os.replace(partial, self.config_file)
+        except OSError:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            raise
         self._recorded = True
+        self.sync()
 
     def take_over_from(self, checkpoint: Path) -> None:
         """Makes ``checkpoint`` the newest of this run: later ones are moved aside, not deleted.

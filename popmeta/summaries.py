@@ -1,36 +1,160 @@
-"""TensorBoard summaries written with tensorboardX, and the statistics behind them."""
+"""TensorBoard summaries, written synchronously, and the statistics behind them.
+
+Event files are written here rather than with ``tensorboardX.SummaryWriter``:
+that writer hands events to a background thread through a bounded queue, and
+when a write fails (a full disk, a read-only mount) the thread dies and the
+next ``add_scalar`` blocks forever on the full queue, hanging the run. Here
+each call of :meth:`Summaries.scalars` or :meth:`Summaries.histogram` is one
+TFRecord written in the calling thread with one unbuffered ``write``: an event
+is in the kernel once the call returns (a killed process loses nothing), and
+a failure is an ``OSError`` this module handles. Summaries are never worth a
+run: on the first failed write they warn once and switch themselves off,
+while the run goes on (and keeps checkpointing).
+
+TFRecord framing, as TensorBoard reads it: the payload length as a
+little-endian uint64, the masked CRC-32C of those 8 bytes (uint32), the
+serialized ``Event`` proto, and the masked CRC-32C of the payload.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import struct
 import time
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from tensorboardX import SummaryWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.record_writer import masked_crc32c
+from tensorboardX.summary import histogram as histogram_summary
 
 from popmeta.estimate import Aggregate
 from popmeta.population.base import Gathered
 
 __all__ = ["RoundStats", "Summaries"]
 
+log = logging.getLogger("popmeta")
+
+#: Equal-width buckets per histogram; the histograms here are of small ranges
+#: (staleness counts, trajectory phases in [0, 1]).
+HISTOGRAM_BINS = 30
+
+# Two writers opened in one second by one process (e.g. evaluation curves)
+# still get distinct files.
+_file_numbers = itertools.count()
+
+
+def _record(payload: bytes) -> bytes:
+    header = struct.pack("<Q", len(payload))
+    return (
+        header
+        + struct.pack("<I", masked_crc32c(header))
+        + payload
+        + struct.pack("<I", masked_crc32c(payload))
+    )
+
 
 class Summaries:
-    """Summaries under ``run_dir``; ``close()`` drains the writer's queue."""
+    """One TensorBoard event file under ``run_dir``, written synchronously.
 
-    def __init__(self, run_dir: str | Path, flush_secs: int = 5):
-        self._writer = SummaryWriter(str(run_dir), flush_secs=flush_secs)
+    A write that fails (``OSError``: no space, read-only, I/O error) logs one
+    warning naming the file and the error, cuts the file back to its last
+    complete event (where the disk still allows it) and turns every later call
+    into a no-op; :attr:`failure` then says what happened. No method raises
+    ``OSError``.
+
+    Args:
+      run_dir: the directory of the event file (created if missing).
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.failure: str | None = None
+        self._file = None
+        name = (
+            f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}."
+            f"{os.getpid()}.{next(_file_numbers)}"
+        )
+        self.path = Path(run_dir) / name
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Unbuffered: a write either reaches the kernel before the call
+            # returns or raises here, never later from a flush.
+            self._file = open(self.path, "xb", buffering=0)  # noqa: SIM115 -- closed in close()
+        except OSError as err:
+            self._fail(err)
+            return
+        self._size = 0
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        for name, value in values.items():
-            self._writer.add_scalar(name, float(value), step)
+        """Writes ``values`` (tag -> number) as one event at ``step``."""
+        summary = Summary(
+            value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()]
+        )
+        self._write(Event(wall_time=time.time(), step=int(step), summary=summary))
 
     def histogram(self, step: int, name: str, values: np.ndarray) -> None:
-        self._writer.add_histogram(name, np.asarray(values, np.float64), step)
+        """Writes a histogram of the finite entries of ``values`` (nothing if there are none)."""
+        values = np.asarray(values, np.float64).reshape(-1)
+        values = values[np.isfinite(values)]
+        if values.size == 0:
+            return
+        summary = histogram_summary(name, values, bins=HISTOGRAM_BINS)
+        self._write(Event(wall_time=time.time(), step=int(step), summary=summary))
 
     def close(self) -> None:
-        self._writer.close()
+        """Closes the event file; a failure to close is reported like a failed write."""
+        if self._file is None:
+            return
+        file, self._file = self._file, None
+        try:
+            file.close()
+        except OSError as err:
+            self._fail(err)
+
+    def _write(self, event: Event) -> None:
+        if self._file is None:
+            return
+        record = _record(event.SerializeToString())
+        data = memoryview(record)
+        try:
+            while data:
+                # A raw write may be short (e.g. the disk filled up mid-way);
+                # the next one then raises.
+                written = self._file.write(data)
+                data = data[written:]
+        except OSError as err:
+            self._abandon(err)
+            return
+        self._size += len(record)
+
+    def _abandon(self, err: OSError) -> None:
+        file, self._file = self._file, None
+        # A partial record at the end would make readers stop with an error;
+        # truncating frees space, so it can work even on a full disk.
+        with contextlib.suppress(OSError):
+            file.truncate(self._size)
+        with contextlib.suppress(OSError):
+            file.close()
+        self._fail(err)
+
+    def _fail(self, err: OSError) -> None:
+        reason = err.strerror or str(err)
+        self.failure = f"{self.path}: {reason} (errno {err.errno})"
+        log.warning(
+            "cannot write TensorBoard events to %s (%s); the run goes on without summaries "
+            "and keeps writing its checkpoints. Free space or fix the permissions there to "
+            "have summaries again after a resume.",
+            self.path,
+            reason,
+        )
 
 
 class RoundStats:

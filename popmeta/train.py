@@ -10,6 +10,7 @@ event files are closed, then the population and finally Ray are shut down.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import signal
@@ -22,11 +23,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from popmeta.actors.worker import exported_state_template
 from popmeta.config import Config, ConfigError, config_to_dict
 from popmeta.estimate import aggregate
-from popmeta.evaluate import EvalResult, evaluate_thetas
-from popmeta.experiment import build_task_family, initial_theta
+from popmeta.evaluate import PeriodicEvaluator, SettingReport, evaluate, settings_of
+from popmeta.experiment import build_task_family
 from popmeta.learner.checkpoints import (
+    Checkpoint,
+    checkpoint_path,
     list_checkpoints,
     load_checkpoint,
     restore_latest,
@@ -40,16 +44,52 @@ from popmeta.population.ray_runtime import start_ray_for
 from popmeta.run_dir import RunDirectory, RunDirectoryError
 from popmeta.summaries import RoundStats, Summaries
 
-__all__ = ["DivergedError", "RunResult", "open_population", "train"]
+__all__ = ["DivergedError", "RunResult", "RunWriteError", "open_population", "train"]
 
 log = logging.getLogger("popmeta")
 
 #: Consecutive rounds with no usable estimate after which the run stops.
 MAX_FAILED_ROUNDS = 20
 
+#: The checkpoint section with the workers' exported states, by rank: optional,
+#: so readers that need only the learner (evaluation) leave it out.
+WORKERS = "workers"
+
 
 class DivergedError(RuntimeError):
     """No finite estimate for ``MAX_FAILED_ROUNDS`` rounds in a row; theta was left unchanged."""
+
+
+class RunWriteError(RuntimeError):
+    """A file the run must keep (a checkpoint, its config) could not be written.
+
+    The disk is full, the run directory became read-only, or the disk failed.
+    The run stopped after its current step; the checkpoints written before are
+    intact (a checkpoint is renamed into place only once complete). The
+    message names the file, the OS error, what to do and the checkpoint a
+    rerun of the same command resumes from.
+    """
+
+
+def _write_failed(path: Path, err: OSError, step: int, run: RunDirectory) -> str:
+    checkpoints = list_checkpoints(run.checkpoints)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"Free space on the disk that holds {run.path}"
+    elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = f"Make {run.path} writable again (it is read-only or its permissions changed)"
+    else:
+        fix = f"Check the disk that holds {run.path}"
+    resume = (
+        f"then rerun the same command: it resumes from {run.location_of(checkpoints[-1])}, the "
+        "newest checkpoint, "
+        "which is intact."
+        if checkpoints
+        else "then rerun the same command; no checkpoint was written yet, so it starts afresh."
+    )
+    return (
+        f"cannot write {path}: {err.strerror or err} (errno {err.errno}). The run stopped "
+        f"at step {step}. {fix}, {resume}"
+    )
 
 
 def _diverged(failures: int, step: int, run: RunDirectory) -> str:
@@ -59,7 +99,7 @@ def _diverged(failures: int, step: int, run: RunDirectory) -> str:
     start = checkpoints[-2] if len(checkpoints) > 1 else (checkpoints or [None])[-1]
     how = (
         f" To go on from an earlier one with a change (e.g. a smaller "
-        f"outer_optimizer.learning_rate): popmeta train CONFIG --from-checkpoint {start} "
+        f"outer_optimizer.learning_rate): popmeta train CONFIG --from-checkpoint {run.location_of(start)} "
         "--set ...; or start afresh with --set name=NEW."
         if start is not None
         else " Start afresh with --set name=NEW and, e.g., a smaller outer_optimizer.learning_rate."
@@ -67,7 +107,7 @@ def _diverged(failures: int, step: int, run: RunDirectory) -> str:
     return (
         f"{failures} rounds in a row without a finite estimate at step {step}: every estimate "
         f"was non-finite (counted as rejected_nonfinite in TensorBoard) and theta was left "
-        f"unchanged. Checkpoints of {run.path}: {listing}.{how}"
+        f"unchanged. Checkpoints of {run.location}: {listing}.{how}"
     )
 
 
@@ -106,22 +146,24 @@ class RunResult(NamedTuple):
     """What a call of :func:`train` did.
 
     Attributes:
-      run_dir: the run directory.
+      run_dir: the run directory (its storage URI for a remote run).
       final_step: the learner step the run ended at.
       meta_loss_start: mean meta-loss over the first tenth of this call's updates.
       meta_loss_end: mean meta-loss over the last tenth.
-      evaluation: the trained and untrained learned optimizers on held-out
-        tasks (empty when interrupted or already finished).
+      evaluation: the trained learned optimizer, its untrained self and the
+        tuned baselines at the trained horizon, with paired intervals (empty
+        when interrupted or already finished; ``popmeta eval`` runs every
+        setting).
       interrupted: Ctrl-C or SIGTERM stopped the run (a checkpoint was written).
       already_finished: the run had reached ``train.num_steps`` before this
         call, which then started nothing.
     """
 
-    run_dir: Path
+    run_dir: Path | str
     final_step: int
     meta_loss_start: float
     meta_loss_end: float
-    evaluation: dict[str, EvalResult]
+    evaluation: list[SettingReport]
     interrupted: bool
     already_finished: bool = False
 
@@ -205,7 +247,9 @@ def train(
     Writes ``config.yaml``, TensorBoard events and checkpoints under
     ``run_dir/name``. Ctrl-C stops after the current step, saves a checkpoint
     and closes the event files (so does SIGTERM, e.g. from a scheduler that
-    preempts the job): the run directory stays consistent.
+    preempts the job): the run directory stays consistent. Checkpoints hold the
+    learner and the workers' states, so a sync run resumed from one continues
+    bit for bit (see :func:`_checkpoint_contents` and :func:`_saved_worker_states`).
 
     Args:
       config: the run's config.
@@ -230,33 +274,44 @@ def train(
         if from_checkpoint is None:
             run.check_identity()
         else:
-            run.take_over_from(Path(from_checkpoint))
+            from_checkpoint = run.fetch_checkpoint(from_checkpoint)
+            run.take_over_from(from_checkpoint)
         learner = Learner(config)
-        _restore(learner, run, from_checkpoint, stream)
+        worker_states = _restore(learner, run, from_checkpoint, stream)
         if learner.version >= config.train.num_steps:
             print(
-                f"{run.path} already finished: step {learner.version} of "
+                f"{run.location} already finished: step {learner.version} of "
                 f"train.num_steps={config.train.num_steps}; raise train.num_steps to train "
                 "further, or start a new run with --set name=NEW",
                 file=stream,
             )
-            return RunResult(run.path, learner.version, math.nan, math.nan, {}, False, True)
-        return _train(config, run, learner, population_factory, stream)
+            return RunResult(run.location, learner.version, math.nan, math.nan, [], False, True)
+        return _train(config, run, learner, population_factory, stream, worker_states)
 
 
 def _check_task_data(config: Config) -> None:
-    """Builds the task family once in the driver: data files fail here, before any actor starts."""
-    try:
-        build_task_family(config.task)
-    except (OSError, ValueError) as err:
-        field = "task.npz_path" if config.task.npz_path is not None else "task.family"
-        raise ConfigError(f"{field}: {err}") from None
+    """Builds every task family the config names once in the driver (the training one
+    and the evaluation's out-of-distribution ones): data files fail here, before any
+    actor starts."""
+    tasks = {"task": config.task}
+    for name, task in config.eval.out_of_distribution.items():
+        tasks[f"eval.out_of_distribution.{name}"] = task
+    for prefix, task in tasks.items():
+        try:
+            build_task_family(task)
+        except (OSError, ValueError) as err:
+            field = "npz_path" if task.npz_path is not None else "family"
+            raise ConfigError(f"{prefix}.{field}: {err}") from None
 
 
 def _restore(
     learner: Learner, run: RunDirectory, from_checkpoint: str | Path | None, stream
-) -> None:
-    """Restores the learner from ``from_checkpoint``, else from the run's newest checkpoint."""
+) -> dict[int, Any]:
+    """Restores the learner from ``from_checkpoint``, else from the run's newest checkpoint.
+
+    Returns:
+      The worker states saved with it, by rank (see :func:`_saved_worker_states`).
+    """
     target = learner.checkpoint_tree()
     try:
         if from_checkpoint is not None:
@@ -269,9 +324,68 @@ def _restore(
             f"{run.config.learned_optimizer.kind!r} as configured; start a new run with "
             "--set name=NEW"
         ) from None
-    if restored is not None:
-        learner.restore(restored.tree)
-        print(f"resumed from {restored.path} at step {learner.version}", file=stream)
+    if restored is None:
+        return {}
+    learner.restore(restored.tree)
+    print(f"resumed from {restored.path} at step {learner.version}", file=stream)
+    return _saved_worker_states(run.config, learner, restored, stream)
+
+
+def _saved_worker_states(
+    config: Config, learner: Learner, restored: Checkpoint, stream
+) -> dict[int, Any]:
+    """The worker states saved in the ``restored`` checkpoint, by rank.
+
+    Empty when it has none (a checkpoint written mid-round, or before worker
+    states were saved), or when they do not fit ``config`` (a take-over that
+    changed the estimator or the tasks): the workers then start afresh.
+    """
+    ranks = restored.metadata.get("worker_ranks", [])
+    if not ranks:
+        return {}
+    template = exported_state_template(config)
+    target = {**learner.checkpoint_tree(), WORKERS: {str(rank): template for rank in ranks}}
+    try:
+        tree = load_checkpoint(restored.path, target).tree
+    except ValueError as err:
+        print(
+            f"the worker states in {restored.path} do not fit this config ({err}); "
+            "every worker starts afresh",
+            file=stream,
+        )
+        return {}
+    return {int(rank): state for rank, state in tree[WORKERS].items()}
+
+
+def _load_worker_states(population: Population, states: dict[int, Any], stream) -> None:
+    """Hands the saved worker states to the population and says which ranks continue."""
+    outcome = population.load_worker_states(states)
+    lines = [f"worker states restored: rank(s) {list(outcome.restored)}"]
+    lines += [f"  rank {rank} starts afresh: {why}" for rank, why in outcome.fresh.items()]
+    if outcome.unused:
+        lines.append(f"  saved rank(s) {list(outcome.unused)} have no worker in this run")
+    print("\n".join(lines), file=stream)
+
+
+def _checkpoint_contents(
+    learner: Learner, population: Population, config: Config
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tree and metadata of a checkpoint now: the learner, and the workers' states.
+
+    The worker states are left out where the population has none to give (a
+    round interrupted half-way) or cannot give them: the learner's checkpoint
+    is written whatever happened to the workers.
+    """
+    tree = learner.checkpoint_tree()
+    try:
+        states = population.export_worker_states()
+    except Exception as err:  # whatever the workers did, the learner's checkpoint is written
+        log.warning("the worker states are not saved in this checkpoint: %r", err)
+        states = {}
+    if states:
+        tree[WORKERS] = {str(rank): state for rank, state in states.items()}
+    metadata = {"config": config_to_dict(config), "worker_ranks": sorted(states)}
+    return tree, metadata
 
 
 def _train(
@@ -280,30 +394,51 @@ def _train(
     learner: Learner,
     population_factory: PopulationFactory | None,
     stream,
+    worker_states: dict[int, Any],
 ) -> RunResult:
     run_dir, ckpt_dir = run.path, run.checkpoints
     tcfg = config.train
     meta_losses: list[float] = []
     interrupted = False
+    failure: BaseException | None = None
     failures = 0
 
     def checkpoint():
-        save_checkpoint(
-            ckpt_dir,
-            learner.version,
-            learner.checkpoint_tree(),
-            keep=tcfg.keep_checkpoints,
-            metadata={"config": config_to_dict(config)},
-        )
+        tree, metadata = _checkpoint_contents(learner, population, config)
+        if WORKERS not in tree and checkpoint_path(ckpt_dir, learner.version).exists():
+            # Interrupted half-way through a round: this step's checkpoint,
+            # written at its boundary with the worker states, stays.
+            return
+        try:
+            save_checkpoint(
+                ckpt_dir,
+                learner.version,
+                tree,
+                keep=tcfg.keep_checkpoints,
+                metadata=metadata,
+                optional=(WORKERS,) if WORKERS in tree else (),
+            )
+        except OSError as err:
+            path = checkpoint_path(ckpt_dir, learner.version)
+            raise RunWriteError(_write_failed(path, err, learner.version, run)) from err
+        run.sync()
 
     # Closed last-in first-out: the progress bar, the event files, then the
     # population and its runtime. The final checkpoint comes before all of them.
     with contextlib.ExitStack() as closing:
         population = closing.enter_context(open_population(config, population_factory))
         print(_placement(population.describe_actors()), file=stream)
-        run.record_config()
+        if worker_states:
+            _load_worker_states(population, worker_states, stream)
+        try:
+            run.record_config()
+        except OSError as err:
+            raise RunWriteError(_write_failed(run.config_file, err, learner.version, run)) from err
         summaries = Summaries(run_dir)
         closing.callback(summaries.close)
+        evaluator = PeriodicEvaluator(config) if config.eval.every else None
+        if evaluator is not None:
+            closing.callback(evaluator.close, summaries)
         stats = RoundStats(population.steps_per_estimate, config.task.family)
         progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every)
         closing.callback(progress.close)
@@ -332,8 +467,13 @@ def _train(
                 meta_losses.append(agg.mean_loss)
                 if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
                     stats.write(summaries, step, population.num_live)
+                    run.sync_if_due()
                 if step % tcfg.checkpoint_every == 0:
                     checkpoint()
+                if evaluator is not None:
+                    evaluator.write_finished(summaries)
+                    if step % config.eval.every == 0:
+                        evaluator.submit(step, learner.theta())
                 progress.update(
                     step,
                     tcfg.num_steps,
@@ -345,19 +485,29 @@ def _train(
                 )
         except KeyboardInterrupt:
             interrupted = True
+        except BaseException as err:
+            failure = err
+            raise
         finally:
             interrupted = interrupted or stop.received is not None
             if interrupted:
                 progress.close()
                 print("\ninterrupted: saving a checkpoint and closing the run", file=stream)
-            checkpoint()
+            # A checkpoint that just failed would fail again: one error, not two.
+            if not isinstance(failure, RunWriteError):
+                try:
+                    checkpoint()
+                except RunWriteError as err:
+                    if failure is None:
+                        raise
+                    # The run's own error propagates; this one is only reported.
+                    log.error("the final checkpoint was not written: %s", err)
 
     window = max(1, len(meta_losses) // 10)
     start_loss = float(np.mean(meta_losses[:window])) if meta_losses else float("nan")
     end_loss = float(np.mean(meta_losses[-window:])) if meta_losses else float("nan")
-    evaluation = {}
-    if not interrupted:
-        evaluation = evaluate_thetas(
-            config, {"trained": learner.theta(), "untrained": initial_theta(config)}
-        )
-    return RunResult(run_dir, learner.version, start_loss, end_loss, evaluation, interrupted)
+    evaluation = []
+    if not interrupted and config.eval.after_training:
+        # Its progress goes where the training progress went (stderr), not into the results.
+        evaluation = evaluate(config, learner.theta(), settings_of(config)[:1], stream=sys.stderr)
+    return RunResult(run.location, learner.version, start_loss, end_loss, evaluation, interrupted)

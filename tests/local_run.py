@@ -21,7 +21,9 @@ def local_config(run_dir: Any, name: str = "ident", **sections: dict[str, Any]) 
         "outer_optimizer": {"learning_rate": 0.01},
         "population": {"engine": "local"},
         "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 2},
-        "eval": {"num_tasks": 2, "num_steps": 5},
+        # The comparison with tuned baselines compiles a grid per baseline: only
+        # the tests of the evaluation itself pay for it.
+        "eval": {"num_tasks": 2, "num_steps": 5, "after_training": False},
     }
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}

@@ -29,6 +29,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 from popmeta.config import load_config
 from popmeta.population.placement import actor_request
+from popmeta.storage import EXTRAS, is_remote
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_DIR = REPO / "configs" / "cluster"
@@ -37,6 +38,8 @@ CLUSTERS = {
     "aws-gpu.yaml": ("train-gpu.yaml", "gpu"),
     "gcp-tpu.yaml": ("train-tpu.yaml", "tpu"),
 }
+#: Cluster YAML -> the storage extra its head installs for the experiment's run_dir.
+HEAD_STORAGE = {"aws-gpu.yaml": "s3", "gcp-tpu.yaml": "gcs"}
 #: Where the cluster YAMLs sync the repository to (``file_mounts``).
 REMOTE_REPO = "~/popmeta"
 
@@ -151,16 +154,35 @@ def test_nodes_install_popmeta_with_their_accelerators_jax(name):
     config = _load(name)
     assert config["file_mounts"] == {REMOTE_REPO: "."}
     assert (REPO / "constraints.txt").is_file()
-    for key, extra in (("head_setup_commands", "cpu"), ("worker_setup_commands", worker_extra)):
+    head_extras = f"cpu,{HEAD_STORAGE[name]}"
+    for key, extras in (
+        ("head_setup_commands", head_extras),
+        ("worker_setup_commands", worker_extra),
+    ):
         installs = _popmeta_installs(config[key])
         assert len(installs) == 1, (key, config[key])
         args = installs[0]
         assert args[args.index("-c") + 1] == f"{REMOTE_REPO}/constraints.txt"
-        assert args[args.index("-e") + 1] == f"$HOME/popmeta[{extra}]"
-        assert extra in _extras()
+        assert args[args.index("-e") + 1] == f"$HOME/popmeta[{extras}]"
+        assert set(extras.split(",")) <= set(_extras())
     # Ray, popmeta and tensorboard must come from the environment the setup built.
     path_setup = " ".join(config["setup_commands"])
     assert "popmeta-env/bin" in path_setup and ".bashrc" in path_setup
+
+
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_runs_of_a_cluster_live_in_a_bucket_its_head_can_write(name):
+    """A run must outlive the head node, so its run_dir is a storage URI.
+
+    The head (where the learner writes the run) installs the extra whose
+    fsspec implementation serves that URI's scheme.
+    """
+    experiment, _ = CLUSTERS[name]
+    run_dir = load_config(str(CLUSTER_DIR / experiment)).run_dir
+    assert is_remote(run_dir), run_dir
+    scheme = run_dir.split("://", 1)[0]
+    assert EXTRAS[scheme] == HEAD_STORAGE[name]
+    assert f"{REMOTE_REPO}/" not in run_dir and "~" not in run_dir
 
 
 def _pins() -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -32,14 +33,20 @@ def test_defaults():
     assert cfg.name == "quickstart" and cfg.seed == 0 and cfg.run_dir == "runs"
     assert cfg.task.family == "fixed_dim_quadratic_data" and cfg.task.npz_path is None
     assert cfg.learned_optimizer.kind == "mlp" and cfg.learned_optimizer.hidden_size == 32
-    assert cfg.truncation.schedule == "constant" and cfg.truncation.length == 50
+    assert cfg.truncation.schedule == "constant" and cfg.truncation.length == 100
     assert cfg.estimator.kind == "pes" and cfg.estimator.std == 0.01
     assert cfg.estimator.sign_delta_loss_scalar is None
     assert cfg.outer_optimizer.name == "adam" and cfg.outer_optimizer.clip_grad_norm == 3.0
     assert cfg.population.resources == {} and cfg.population.engine == "ray"
-    assert cfg.train.num_steps == 200 and cfg.eval.seed == 1234
+    assert cfg.train.num_steps == 20000 and cfg.eval.seed == 1234
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.seed = 1  # type: ignore[misc]
+
+
+def test_no_config_is_the_quickstart():
+    """One source of defaults: the quickstart file spells out exactly the defaults."""
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    assert load_config(quickstart) == load_config(None)
 
 
 def test_yaml_file_loads(tmp_path):

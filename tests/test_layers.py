@@ -24,7 +24,7 @@ LAYERS: list[list[str]] = [
     ["popmeta.config"],  # typed config schema, YAML, overrides, validation
     ["popmeta.experiment", "popmeta.estimate"],  # config -> core objects; the wire record
     ["popmeta.learner", "popmeta.actors"],  # theta + outer step; the estimator workers
-    ["popmeta.population"],  # placement, supervision, gather policies
+    ["popmeta.population", "popmeta.storage"],  # placement, gather; local or remote files
     ["popmeta.summaries", "popmeta.run_dir"],  # TensorBoard; a run directory's identity
     ["popmeta.evaluate"],  # meta-testing
     ["popmeta.train"],  # the run loop

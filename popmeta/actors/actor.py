@@ -238,6 +238,23 @@ class EstimatorActor:
             phases=None if est.phases is None else np.asarray(est.phases),
         )
 
+    def export_state(self) -> dict[str, Any] | None:
+        """The worker's :meth:`~popmeta.actors.worker.EstimatorWorker.export_state`.
+
+        Runs after the calls queued before it, so it is the state those calls
+        leave behind.
+        """
+        return self._worker.export_state()
+
+    def load_state(self, exported: dict[str, Any]) -> None:
+        """The worker continues from ``exported``; see
+        :meth:`~popmeta.actors.worker.EstimatorWorker.load_state`.
+
+        Raises:
+          ValueError: it does not fit the actor's config (the worker is left as it was).
+        """
+        self._worker.load_state(exported)
+
     def info(self) -> dict[str, Any]:
         """Where and how this actor runs.
 

@@ -11,12 +11,24 @@ them; with one device the estimator's plain jitted
 :class:`~popmeta.core.estimators.SingleDeviceRunner`, with no sharding
 machinery at all. ``estimator.truncations_per_call`` > 1 averages several
 consecutive truncations per call.
+
+Exact resume. Everything that decides a worker's next estimate besides theta
+is its *exported state* (:meth:`EstimatorWorker.export_state`): the
+estimator's worker state (inner states, PES accumulators or NRES noise), the
+worker's root key, and where its call keys are (the last theta version and how
+many repeats of it). A worker that loads it
+(:meth:`EstimatorWorker.load_state`) computes bit for bit the estimates the
+exporting worker would have computed next. The root key is saved rather than
+re-derived so that a state exported by a replacement (whose keys depend on its
+restart number) is continued with its own keys. Tasks that pull host batches
+(``host_data``) keep their data iterators outside this state: such a worker
+continues with the right state but other batches.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -26,9 +38,9 @@ import numpy as np
 from popmeta.config import Config
 from popmeta.core.estimators import EstimateRunner, GradientEstimator, make_runner
 from popmeta.estimate import Estimate
-from popmeta.experiment import build_estimator
+from popmeta.experiment import build_estimator, initial_theta
 
-__all__ = ["EstimatorWorker", "worker_key"]
+__all__ = ["EstimatorWorker", "exported_state_template", "worker_key"]
 
 
 def worker_key(seed: int, rank: int, restart: int = 0) -> jax.Array:
@@ -39,6 +51,58 @@ def worker_key(seed: int, rank: int, restart: int = 0) -> jax.Array:
     """
     key = jax.random.fold_in(jax.random.key(seed), rank + 1)
     return jax.random.fold_in(key, restart) if restart else key
+
+
+def exported_state_template(
+    config: Config, estimator: GradientEstimator | None = None
+) -> dict[str, Any]:
+    """The structure, shapes and dtypes of :meth:`EstimatorWorker.export_state`.
+
+    Traced with ``jax.eval_shape``: nothing is computed or compiled. Every
+    rank of a config has the same template.
+
+    Args:
+      config: the run's config.
+      estimator: the estimator built from ``config``, if at hand (else it is built).
+
+    Returns:
+      ``{"key", "last_version", "repeats", "state"}`` with
+      ``jax.ShapeDtypeStruct`` leaves: a target for
+      :func:`~popmeta.learner.checkpoints.load_checkpoint`.
+    """
+    estimator = estimator or build_estimator(config)
+    key = worker_key(config.seed, 0)
+    theta = jax.eval_shape(lambda: initial_theta(config))
+    counter = jax.ShapeDtypeStruct((), np.int64)
+    return {
+        "key": jax.eval_shape(jax.random.key_data, key),
+        "last_version": counter,
+        "repeats": counter,
+        "state": jax.eval_shape(estimator.init_worker_state, theta, key),
+    }
+
+
+def _check_fits(template: Any, tree: Any) -> None:
+    """Raises ValueError naming the first leaf of ``tree`` that does not fit ``template``."""
+    expected = {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(template)[0]
+    }
+    found = {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    for name in sorted(expected.keys() ^ found.keys()):
+        what = "missing" if name in expected else "not expected"
+        raise ValueError(f"worker state entry {name} is {what} for this config")
+    for name, want in expected.items():
+        got = found[name]
+        dtype = np.dtype(got.dtype)
+        if np.shape(got) != want.shape or dtype != want.dtype:
+            raise ValueError(
+                f"worker state entry {name}: expected {want.dtype}{list(want.shape)} for this "
+                f"config, found {dtype}{list(np.shape(got))}"
+            )
 
 
 def _runner(config: Config, estimator: GradientEstimator) -> EstimateRunner:
@@ -111,11 +175,15 @@ class EstimatorWorker:
 
     def __init__(self, config: Config, rank: int, restart: int = 0):
         self.rank = rank
+        self.config = config
         self.estimator = build_estimator(config)
         self.runner: EstimateRunner = _runner(config, self.estimator)
         self.truncations_per_call = config.estimator.truncations_per_call
         self._key = worker_key(config.seed, rank, restart)
         self._state: Any = None
+        # A loaded state, as host arrays: placed on the devices by the next call.
+        self._loaded: Any = None
+        self._template: dict[str, Any] | None = None
         # Set with the first state: whether the state has phases is known only then.
         self._phases: Callable[[Any], jax.Array] | None = None
         self._last_version: int | None = None
@@ -155,7 +223,7 @@ class EstimatorWorker:
         """
         start = time.perf_counter()
         if self._state is None:
-            self._state = self.runner.init_worker_state(theta, self._key)
+            self._state = self._first_state(theta)
             self._phases = _phases_fn(self.estimator, self._state)
         key = self._call_key(version)
         out, metrics = self.runner.compute_gradient_estimate(
@@ -175,6 +243,67 @@ class EstimatorWorker:
             metrics,
             phases=phases,
         )
+
+    def _first_state(self, theta: Any) -> Any:
+        """A fresh state, or the loaded one placed where the runner keeps a fresh one.
+
+        A fresh state is built either way: it carries the placement (sharded
+        over the local devices or not), and a sharded runner fixes its
+        shardings with it.
+        """
+        fresh = self.runner.init_worker_state(theta, self._key)
+        if self._loaded is None:
+            return fresh
+        loaded, self._loaded = self._loaded, None
+        return jax.tree_util.tree_map(lambda f, x: jax.device_put(x, f.sharding), fresh, loaded)
+
+    def export_state(self) -> dict[str, Any] | None:
+        """What the worker's next estimate depends on besides theta, as host arrays.
+
+        Call it between :meth:`compute` calls. The arrays are copies: the
+        device buffers of the state are donated to the next call.
+
+        Returns:
+          ``{"key": root key data, "last_version": theta version of the last
+          call (-1: none), "repeats": calls on it beyond the first, "state":
+          the estimator's worker state}``, with the structure of
+          :func:`exported_state_template`; None before the first estimate
+          (a fresh worker of this rank starts the same way).
+        """
+        state = self._state if self._state is not None else self._loaded
+        if state is None:
+            return None
+        last = -1 if self._last_version is None else self._last_version
+        return {
+            "key": np.array(jax.random.key_data(self._key)),
+            "last_version": np.int64(last),
+            "repeats": np.int64(self._repeats),
+            "state": jax.tree_util.tree_map(lambda x: np.array(x, copy=True), state),
+        }
+
+    def load_state(self, exported: Mapping[str, Any]) -> None:
+        """Continues from an :meth:`export_state` of a worker of the same config.
+
+        The next :meth:`compute` returns what the exporting worker's next call
+        would have returned for the same theta and version.
+
+        Args:
+          exported: an exported state (host or device arrays).
+
+        Raises:
+          ValueError: it does not fit this worker's config; the message names
+            the first entry that differs. The worker is then left as it was.
+        """
+        if self._template is None:
+            self._template = exported_state_template(self.config, self.estimator)
+        _check_fits(self._template, dict(exported))
+        impl = jax.random.key_impl(self._key)
+        self._key = jax.random.wrap_key_data(np.asarray(exported["key"]), impl=impl)
+        last = int(exported["last_version"])
+        self._last_version = None if last < 0 else last
+        self._repeats = int(exported["repeats"])
+        self._loaded = jax.tree_util.tree_map(np.asarray, exported["state"])
+        self._state = None
 
     @property
     def num_tasks(self) -> int:

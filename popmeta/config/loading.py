@@ -126,7 +126,11 @@ def _coerce(value: Any, tp: Any, path: str, source: str) -> Any:
                 raise ConfigError(
                     f"{path}: keys must be {_type_name(key_tp)}, got {key!r}{_in(source)}"
                 )
-            result[key] = _coerce(item, value_tp, f"{path}.{key}", source)
+            if _is_section(value_tp):
+                checked = _coerce_section(item, value_tp, f"{path}.{key}.", source)
+                result[key] = _build(value_tp, checked)
+            else:
+                result[key] = _coerce(item, value_tp, f"{path}.{key}", source)
         return result
 
     if tp is bool:

@@ -140,7 +140,7 @@ class TruncationConfig:
     """
 
     schedule: TruncationScheduleName = "constant"
-    length: int = 50
+    length: int = 100
     min_length: int = 10
     max_length: int = 100
 
@@ -178,8 +178,8 @@ class EstimatorConfig:
     std: float = 0.01
     sign_delta_loss_scalar: float | None = None
     clip_loss_diff: float | None = None
-    num_tasks: int = 8
-    random_initial_iteration_offset: int = 50
+    num_tasks: int = 16
+    random_initial_iteration_offset: int = 100
     truncations_per_call: int = 1
 
     def _problems(self) -> Iterator[_Problem]:
@@ -207,7 +207,7 @@ class OuterOptimizerConfig:
     """
 
     name: OuterOptimizerName = "adam"
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-2
     clip_grad_norm: float | None = 3.0
     weight_decay: float = 0.0
 
@@ -250,7 +250,7 @@ class PopulationConfig:
       max_actor_restarts: dead actors replaced over the run before it gives up.
     """
 
-    num_actors: int = 1
+    num_actors: int = 2
     mode: Literal["sync", "async"] = "sync"
     batch_size: int = 1
     max_staleness: int = 2
@@ -297,9 +297,9 @@ class TrainConfig:
       summary_every: TensorBoard summary period, in learner steps.
     """
 
-    num_steps: int = 200
-    log_every: int = 10
-    checkpoint_every: int = 50
+    num_steps: int = 20000
+    log_every: int = 1000
+    checkpoint_every: int = 2000
     keep_checkpoints: int = 3
     summary_every: int = 10
 
@@ -311,21 +311,41 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """Meta-testing of a learned optimizer.
+    """Meta-testing of a learned optimizer (``popmeta eval``, the end of a run, ``every``).
 
     Attributes:
-      num_tasks: inner problems evaluated.
-      num_steps: inner steps per problem.
-      seed: evaluation seed (separate from the training seed).
+      num_tasks: held-out inner problems per setting; the 95% intervals are over them.
+      num_steps: inner steps of the trained-horizon setting; None means the
+        trajectory length training used (``truncation.length``, or
+        ``truncation.max_length`` for ``log_uniform``).
+      long_horizon_factor: a second setting runs ``factor * num_steps`` steps on
+        the training task family (0 leaves it out).
+      out_of_distribution: further settings, each a name and a ``task`` section
+        (other architectures, other data), run at the trained horizon.
+      seed: evaluation seed (separate from the training seed); baselines are
+        tuned on tasks drawn from ``seed + 1``, disjoint from the test tasks.
+      every: also evaluate the learned optimizer every this many learner steps
+        while training, in the background, logged under ``eval/`` (0: never).
+      after_training: compare the trained learned optimizer with the tuned
+        baselines at the trained horizon when a run finishes.
     """
 
-    num_tasks: int = 16
-    num_steps: int = 100
+    num_tasks: int = 32
+    num_steps: int | None = None
+    long_horizon_factor: int = 5
+    out_of_distribution: dict[str, TaskConfig] = dataclasses.field(default_factory=dict)
     seed: int = 1234
+    every: int = 0
+    after_training: bool = True
 
     def _problems(self) -> Iterator[_Problem]:
         yield from _positive(self, "num_tasks", "num_steps")
-        yield from _non_negative(self, "seed")
+        yield from _non_negative(self, "seed", "long_horizon_factor", "every")
+        if self.num_tasks is not None and self.num_tasks < 2:
+            yield "num_tasks", f"must be >= 2 for an interval over tasks, got {self.num_tasks!r}"
+        for name, task in self.out_of_distribution.items():
+            for field, message in task._problems():
+                yield f"out_of_distribution.{name}.{field}", message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,6 +355,10 @@ class Config:
     Constructing it (directly, with ``dataclasses.replace`` or through
     :func:`load_config`) runs the range checks; type checks happen when it is
     built from YAML or a dict.
+
+    The defaults are the quickstart, the one source of them: ``popmeta train``
+    with no config file runs it, and ``configs/quickstart.yaml`` spells the
+    same values out for reading and copying (a test keeps the two equal).
 
     Attributes:
       name: run name; outputs go to ``<run_dir>/<name>/``.

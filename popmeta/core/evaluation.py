@@ -14,16 +14,20 @@ __all__ = ["TrainingCurves", "training_curves"]
 
 
 class TrainingCurves(NamedTuple):
-    """Per-task curves, ``[num_tasks, num_steps]``.
+    """Per-task curves, ``[num_tasks, num_steps]``, and final accuracies.
 
     Attributes:
       train_loss: training loss of the batch each step trained on (before the update).
       eval_loss: loss of the parameters after each update on a batch of ``eval_split``
         (the training loss again for data-free tasks).
+      final_accuracy: ``[num_tasks]`` accuracy of the final parameters on a fresh
+        batch of ``eval_split``, for tasks that define :meth:`Task.accuracy`;
+        None otherwise.
     """
 
     train_loss: jax.Array
     eval_loss: jax.Array
+    final_accuracy: jax.Array | None = None
 
 
 def training_curves(
@@ -59,10 +63,17 @@ def training_curves(
             eval_loss = task.loss(optimizer.get_params(opt_state), key_eval, eval_batch)
             return opt_state, (loss, eval_loss)
 
-        _, (train_loss, eval_loss) = jax.lax.scan(
+        key_steps, key_final = jax.random.split(key_steps)
+        opt_state, (train_loss, eval_loss) = jax.lax.scan(
             body, opt_state, jax.random.split(key_steps, num_steps)
         )
-        return train_loss, eval_loss
+        final_batch = task_family.sample_batch(key_final, eval_split)
+        accuracy = None
+        if final_batch is not None:
+            accuracy = task.accuracy(optimizer.get_params(opt_state), final_batch)
+        return train_loss, eval_loss, accuracy
 
-    train_loss, eval_loss = jax.vmap(one_task)(jax.random.split(key, num_tasks))
-    return TrainingCurves(train_loss.astype(jnp.float32), eval_loss.astype(jnp.float32))
+    train_loss, eval_loss, accuracy = jax.vmap(one_task)(jax.random.split(key, num_tasks))
+    if accuracy is not None:
+        accuracy = accuracy.astype(jnp.float32)
+    return TrainingCurves(train_loss.astype(jnp.float32), eval_loss.astype(jnp.float32), accuracy)

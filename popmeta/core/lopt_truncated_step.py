@@ -1,9 +1,18 @@
 """Truncated step that trains sampled tasks with a learned optimizer.
 
 ``VectorizedLOptTruncatedStep`` keeps ``num_tasks`` inner problems side by side.
-One unroll step is one inner update of every task. The step that reaches the
-trajectory length reports ``is_done``; the next step resets that task (new task
-sample, new parameters, iteration 0) and reports ``loss=0, mask=False``.
+One unroll step is one inner update of every task. Each task counts its steps
+in ``inner_step`` (the truncation counter); the step whose ``inner_step``
+reaches the trajectory length reports ``is_done``; the next step resets that
+task (new task sample, new parameters, a fresh optimizer state, ``inner_step``
+0) and reports ``loss=0, mask=False, iteration=0``.
+
+As in the reference library (``learned_optimization.outer_trainers.
+lopt_truncated_step``), the random initial iteration offset moves only
+``inner_step``: a task that starts at offset k is a fresh task, with a fresh
+optimizer state at iteration 0, whose first trajectory is k steps shorter. The
+inner optimizer's own ``iteration`` (which time features read) always counts the
+updates it has really applied.
 
 Resets are the expensive part of a step (a task init and an optimizer init), so
 they run under one ``lax.cond`` for the whole batch: steps in which no task
@@ -18,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer
 from popmeta.core.tasks.base import TaskFamily, vec_get_batch
 from popmeta.core.tree_utils import select_tasks
@@ -28,12 +38,26 @@ __all__ = ["LOptTruncatedState", "VectorizedLOptTruncatedStep"]
 
 
 class LOptTruncatedState(NamedTuple):
-    """Per-task state (every field has a leading ``num_tasks`` axis)."""
+    """Per-task state (every field has a leading ``num_tasks`` axis).
+
+    The fields and their order are the reference's ``TruncatedUnrollState``.
+
+    Attributes:
+      inner_opt_state: The inner optimizer's state (params, iteration, ...).
+      inner_step: Steps taken on the current trajectory (int32), the counter the
+        truncation schedule reads; starts at the random offset, or 0.
+      truncation_state: The schedule's state (the trajectory's ``length``).
+      task_param: The task being trained.
+      is_done: The previous step ended the trajectory: this step resets it.
+    """
 
     inner_opt_state: Any
+    inner_step: jax.Array
     truncation_state: TruncationState
     task_param: Any
-    is_done: jax.Array  # the previous step ended the trajectory: this step resets it
+    is_done: jax.Array
+
+    replace = tree_utils.replace
 
 
 class VectorizedLOptTruncatedStep(TruncatedStep):
@@ -45,8 +69,12 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
       trunc_sched: trajectory lengths.
       num_tasks: number of inner problems trained side by side.
       random_initial_iteration_offset: if > 0, each task's first trajectory starts
-        at an iteration drawn uniformly from ``[0, offset)`` so the population is
-        spread over the trajectory rather than running in lockstep.
+        with ``inner_step`` drawn uniformly from ``[0, offset)`` (the inner
+        optimizer still starts at iteration 0), so that the population's
+        resets are spread out rather than in lockstep. Set it to the
+        schedule's (maximum) length, as the reference advises; an offset at or
+        past a trajectory's length ends that trajectory on its first step.
+        :meth:`init_episode_state` ignores it.
       meta_loss_split: None to use the normalized training loss before the update
         as the per-step meta-loss; otherwise a data split (e.g. "outer_valid") on
         which the updated parameters are evaluated.
@@ -80,19 +108,28 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         self.meta_loss_split = meta_loss_split
         self.host_data = host_data
 
+    def outer_init(self, key: jax.Array) -> Any:
+        """The learned optimizer's initial theta, as the reference returns."""
+        return self.learned_opt.init(key)
+
     # -- one task -----------------------------------------------------------------
 
     def _init_one(self, theta, key, outer_state):
-        """A fresh trajectory at iteration 0."""
+        """A fresh trajectory: inner step 0, optimizer at iteration 0."""
         key_task, key_params, key_opt, key_trunc = jax.random.split(key, 4)
         task_param = self.task_family.sample(key_task)
         task = self.task_family.task_fn(task_param)
         params = task.init(key_params)
-        opt = self.learned_opt.opt_fn(theta, is_training=True)
-        max_length = getattr(self.trunc_sched, "max_length", None)
-        opt_state = opt.init(params, num_steps=max_length, key=key_opt)
         trunc_state = self.trunc_sched.init(key_trunc, outer_state)
-        return LOptTruncatedState(opt_state, trunc_state, task_param, jnp.asarray(False))
+        opt = self.learned_opt.opt_fn(theta, is_training=True)
+        opt_state = opt.init(params, num_steps=trunc_state.length, key=key_opt)
+        return LOptTruncatedState(
+            inner_opt_state=opt_state,
+            inner_step=jnp.asarray(0, jnp.int32),
+            truncation_state=trunc_state,
+            task_param=task_param,
+            is_done=jnp.asarray(False),
+        )
 
     def _update_one(self, theta, state: LOptTruncatedState, key, data, outer_state):
         key_data, key_loss, key_opt, key_trunc, key_meta = jax.random.split(key, 5)
@@ -107,8 +144,9 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         params = opt.get_params(state.inner_opt_state)
         loss, grad = jax.value_and_grad(task.loss)(params, key_loss, train_batch)
         opt_state = opt.update(state.inner_opt_state, grad, loss=loss, key=key_opt)
+        inner_step = state.inner_step + 1
         trunc_state, is_done = self.trunc_sched.next_state(
-            state.truncation_state, opt_state.iteration, key_trunc, outer_state
+            state.truncation_state, inner_step, key_trunc, outer_state
         )
         if self.meta_loss_split is None:
             meta_loss = task.normalizer(loss)
@@ -120,10 +158,12 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
             loss=meta_loss.astype(jnp.float32),
             is_done=is_done,
             task_param=state.task_param,
-            iteration=opt_state.iteration,
+            iteration=inner_step,
             mask=jnp.asarray(True),
         )
-        return LOptTruncatedState(opt_state, trunc_state, state.task_param, is_done), out
+        return LOptTruncatedState(
+            opt_state, inner_step, trunc_state, state.task_param, is_done
+        ), out
 
     # -- vectorized ---------------------------------------------------------------
 
@@ -131,17 +171,30 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         return 0 if theta_is_vector else None
 
     def init_step_state(self, theta, outer_state, key, theta_is_vector=False):
+        """Fresh tasks, each at its random ``inner_step`` offset (see the class docstring)."""
         key_init, key_offset = jax.random.split(key)
-        init = jax.vmap(self._init_one, in_axes=(self._theta_axis(theta_is_vector), 0, None))
-        state = init(theta, jax.random.split(key_init, self.num_tasks), outer_state)
+        state = self.init_episode_state(theta, outer_state, key_init, theta_is_vector)
         if self.random_initial_iteration_offset:
             offsets = jax.random.randint(
                 key_offset, (self.num_tasks,), 0, self.random_initial_iteration_offset, jnp.int32
             )
-            state = state._replace(
-                inner_opt_state=state.inner_opt_state._replace(iteration=offsets)
-            )
+            state = state.replace(inner_step=offsets)
         return state
+
+    def init_episode_state(self, theta, outer_state, key, theta_is_vector=False):
+        """Fresh tasks at the start of their trajectories, with no random offset.
+
+        Args:
+          theta: meta-parameters (a leading task axis if ``theta_is_vector``).
+          outer_state: passed to the truncation schedule.
+          key: PRNG key.
+          theta_is_vector: whether ``theta`` has a leading task axis.
+
+        Returns:
+          The state, every task at ``inner_step`` 0 and iteration 0.
+        """
+        init = jax.vmap(self._init_one, in_axes=(self._theta_axis(theta_is_vector), 0, None))
+        return init(theta, jax.random.split(key, self.num_tasks), outer_state)
 
     def unroll_step(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
         return self._unroll(
@@ -199,9 +252,12 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         )
 
     def trajectory_phase(self, unroll_state: LOptTruncatedState) -> jax.Array:
-        """Each task's position in its trajectory, iteration / length, in [0, 1]."""
-        iteration = unroll_state.inner_opt_state.iteration
-        return iteration / jnp.maximum(unroll_state.truncation_state.length, 1)
+        """Each task's position in its trajectory, ``inner_step / length``, in [0, 1].
+
+        An offset at or past the length reads as 1 until the trajectory resets.
+        """
+        phase = unroll_state.inner_step / jnp.maximum(unroll_state.truncation_state.length, 1)
+        return jnp.minimum(phase, 1.0)
 
     # -- host data (reference-compatible path) -----------------------------------
 

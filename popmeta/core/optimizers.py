@@ -3,9 +3,10 @@
 An :class:`Optimizer` is a pure object: ``init`` builds a state, ``update``
 returns the next state, ``get_params`` reads the parameters back. Every state,
 learned optimizers included, is a ``NamedTuple`` with at least ``params`` and
-``iteration`` (an int32 scalar array), so generic code such as the truncated
-step can start inner problems at random iterations with
-``state._replace(iteration=...)``.
+``iteration`` (an int32 scalar array: the number of updates applied, which
+optimizers with time features read). States also have ``replace(**fields)``,
+the spelling of the reference library's dataclass states, as well as
+NamedTuple's ``_replace``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+
+from popmeta.core import tree_utils
 
 __all__ = [
     "SGD",
@@ -82,6 +85,8 @@ class OptaxState(NamedTuple):
     params: Params
     optax_state: optax.OptState
     iteration: jax.Array
+
+    replace = tree_utils.replace
 
 
 class OptaxOptimizer(Optimizer):

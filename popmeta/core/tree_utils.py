@@ -1,4 +1,4 @@
-"""Small pytree helpers for per-task (leading-axis) arithmetic."""
+"""Small pytree helpers: per-task (leading-axis) arithmetic, and NamedTuple ``replace``."""
 
 from __future__ import annotations
 
@@ -37,3 +37,16 @@ def tree_zeros_like(tree: PyTree) -> PyTree:
 def stack_members(tree: PyTree, num_members: int) -> PyTree:
     """Copies ``tree`` along a new leading member axis."""
     return jax.tree_util.tree_map(lambda x: jnp.stack([x] * num_members), tree)
+
+
+def replace(self: Any, **fields: Any) -> Any:
+    """A copy of the NamedTuple ``self`` with ``fields`` replaced.
+
+    State NamedTuples bind this as their ``replace`` method, so that code written
+    for the reference library's ``flax.struct.dataclass`` states, such as
+    ``opt_state.replace(iteration=0)``, runs unchanged.
+
+    Raises:
+      ValueError: if a name in ``fields`` is not a field of ``self``.
+    """
+    return self._replace(**fields)

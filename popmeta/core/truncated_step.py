@@ -47,6 +47,18 @@ class TruncatedStep:
     ) -> Any:
         raise NotImplementedError
 
+    def init_episode_state(
+        self, theta: Any, outer_state: Any, key: jax.Array, theta_is_vector: bool = False
+    ) -> Any:
+        """A state at the very start of fresh trajectories, for whole-episode estimators.
+
+        ``init_step_state`` may start each task part-way into its trajectory
+        (a random initial offset, which keeps a population's resets apart);
+        FullES unrolls whole episodes and starts from this state instead. The
+        default is ``init_step_state``, for steps that have no such offset.
+        """
+        return self.init_step_state(theta, outer_state, key, theta_is_vector)
+
     def unroll_step(
         self,
         theta: Any,
@@ -117,11 +129,18 @@ class VectorizedTruncatedStep(TruncatedStep):
         return self.truncated_step.outer_init(key)
 
     def init_step_state(self, theta, outer_state, key, theta_is_vector=False):
-        keys = jax.random.split(key, self.num_tasks)
-        init = jax.vmap(
-            self.truncated_step.init_step_state,
-            in_axes=(0 if theta_is_vector else None, None, 0),
+        return self._init(
+            self.truncated_step.init_step_state, theta, outer_state, key, theta_is_vector
         )
+
+    def init_episode_state(self, theta, outer_state, key, theta_is_vector=False):
+        return self._init(
+            self.truncated_step.init_episode_state, theta, outer_state, key, theta_is_vector
+        )
+
+    def _init(self, init_one, theta, outer_state, key, theta_is_vector):
+        keys = jax.random.split(key, self.num_tasks)
+        init = jax.vmap(init_one, in_axes=(0 if theta_is_vector else None, None, 0))
         return init(theta, outer_state, keys)
 
     def unroll_step(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):

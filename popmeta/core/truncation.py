@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from popmeta.core import tree_utils
+
 __all__ = [
     "ConstantTruncationSchedule",
     "LogUniformLengthSchedule",
@@ -26,6 +28,8 @@ class TruncationState(NamedTuple):
     """Length of the trajectory currently running (int32 scalar)."""
 
     length: jax.Array
+
+    replace = tree_utils.replace
 
 
 class TruncationSchedule:

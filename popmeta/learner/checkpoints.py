@@ -9,6 +9,12 @@ document with the step, the format version, the stored dtype of every leaf,
 which leaves were typed PRNG keys, and whatever json-able ``metadata`` the
 caller passed (resolved config, library versions, ...).
 
+Optional sections. Top-level entries of the tree named in ``optional`` at
+save time (e.g. the workers' states, which evaluation does not need) are left
+out by a reader whose target does not have them; a target that has one gets
+it restored as strictly as everything else. Files without the header field
+``optional_sections`` have none.
+
 PRNG keys. Typed keys (``jax.random.key``) cannot be written by numpy, so
 their raw ``jax.random.key_data`` is stored and the key implementation is
 recorded. On load, a leaf whose *target* is a typed key is re-wrapped with
@@ -144,6 +150,7 @@ def save_checkpoint(
     tree: Mapping[str, Any],
     keep: int | None = 3,
     metadata: Mapping[str, Any] | None = None,
+    optional: tuple[str, ...] = (),
 ) -> Path:
     """Atomically writes ``tree`` as ``ckpt_{step:08d}.npz`` in ``directory``.
 
@@ -157,13 +164,16 @@ def save_checkpoint(
         all).
       metadata: json-able extras (resolved config, versions, ...), returned by
         :func:`load_checkpoint` as ``Checkpoint.metadata``.
+      optional: top-level keys of ``tree`` that readers may leave out of their
+        target (see the module's docstring).
 
     Returns:
       The path of the written file.
 
     Raises:
       TypeError: if ``tree`` is not a mapping or ``metadata`` is not json-able.
-      ValueError: if ``keep`` < 1 or ``step`` < 0.
+      ValueError: if ``keep`` < 1 or ``step`` < 0, or ``optional`` names a
+        key that ``tree`` does not have.
     """
     if not isinstance(tree, Mapping):
         raise TypeError(f"checkpoint tree must be a dict, got {type(tree).__name__}")
@@ -171,6 +181,8 @@ def save_checkpoint(
         raise ValueError(f"keep must be >= 1 or None, got {keep}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    if set(optional) - set(tree):
+        raise ValueError(f"optional sections {sorted(set(optional) - set(tree))} are not in tree")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
 
@@ -195,6 +207,7 @@ def save_checkpoint(
         "dtypes": dtypes,
         "prng_keys": prng_impls,
         "metadata": dict(metadata or {}),
+        "optional_sections": list(optional),
     }
     try:
         header_json = json.dumps(header)
@@ -213,8 +226,11 @@ def save_checkpoint(
         os.replace(tmp_name, final)
     except BaseException:
         # Never leave a partial file behind; the previous checkpoints are
-        # untouched because nothing was renamed.
-        Path(tmp_name).unlink(missing_ok=True)
+        # untouched because nothing was renamed. Where even the unlink fails
+        # (the directory became read-only), the write's own error is the one
+        # to report, and the next save removes the stray file.
+        with contextlib.suppress(OSError):
+            Path(tmp_name).unlink(missing_ok=True)
         raise
     _fsync_directory(directory)
 
@@ -341,7 +357,13 @@ def load_checkpoint(path: PathLike, target: Any) -> Checkpoint:
             f"checkpoint {path} has no entry for key {missing[0]}"
             + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
         )
-    extra = sorted(set(stored) - set(target_keys))
+    # Optional sections the target leaves out are not read, so not extra.
+    skipped = [
+        jax.tree_util.keystr((jax.tree_util.DictKey(name),))
+        for name in header.get("optional_sections", ())
+        if not (isinstance(target, Mapping) and name in target)
+    ]
+    extra = sorted(k for k in set(stored) - set(target_keys) if not k.startswith(tuple(skipped)))
     if extra:
         raise ValueError(
             f"checkpoint {path} has key {extra[0]} that is not in the target"

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Protocol
 
 from popmeta.estimate import Estimate
 
-__all__ = ["Gathered", "Population"]
+__all__ = ["Gathered", "Population", "WorkerRestore"]
 
 
 class Gathered(NamedTuple):
@@ -42,6 +42,21 @@ class Gathered(NamedTuple):
     accepted_late: Mapping[int, int] = MappingProxyType({})
 
 
+class WorkerRestore(NamedTuple):
+    """What :meth:`Population.load_worker_states` did.
+
+    Attributes:
+      restored: ranks whose worker continues from its saved state, in order.
+      fresh: rank -> why its worker starts afresh (no saved state, the state
+        does not fit the config, the actor did not answer); live ranks only.
+      unused: saved ranks that no live worker serves, in order.
+    """
+
+    restored: tuple[int, ...]
+    fresh: Mapping[int, str]
+    unused: tuple[int, ...]
+
+
 class Population(Protocol):
     """A set of estimator workers that turn theta into gradient estimates."""
 
@@ -60,6 +75,24 @@ class Population(Protocol):
     def describe_actors(self) -> list[dict[str, Any]]:
         """Where each live worker runs, in rank order: at least ``rank``,
         ``restart``, ``node_id``, ``pid`` and ``pinned_cores`` (None if unpinned)."""
+        ...
+
+    def export_worker_states(self) -> dict[int, Any]:
+        """Each worker's exported state, by rank, at the end of the last gather.
+
+        See :meth:`~popmeta.actors.worker.EstimatorWorker.export_state`. Sync
+        mode: empty unless the population is at a round boundary (a gather
+        interrupted half-way leaves some workers a call ahead). Ranks without
+        a state yet are absent.
+        """
+        ...
+
+    def load_worker_states(self, states: Mapping[int, Any]) -> WorkerRestore:
+        """Makes each live worker whose rank is in ``states`` continue from that state.
+
+        Call it before the first :meth:`gather`. A state that does not fit
+        leaves its worker fresh; nothing raises for it.
+        """
         ...
 
     def close(self) -> None: ...

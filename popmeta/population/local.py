@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 from popmeta.actors.worker import EstimatorWorker
 from popmeta.config import Config
-from popmeta.population.base import Gathered
+from popmeta.population.base import Gathered, WorkerRestore
 
 __all__ = ["LocalPopulation"]
 
@@ -24,6 +25,9 @@ class LocalPopulation:
         self.workers = [
             EstimatorWorker(config, rank) for rank in range(config.population.num_actors)
         ]
+        # True while a gather runs: an exception out of it (Ctrl-C) leaves the
+        # workers before it one call ahead of the others.
+        self._mid_gather = False
 
     @property
     def num_live(self) -> int:
@@ -34,8 +38,33 @@ class LocalPopulation:
         return self.workers[0].steps_per_estimate
 
     def gather(self, theta: Any, version: int) -> Gathered:
+        self._mid_gather = True
         estimates = [worker.compute(theta, version) for worker in self.workers]
+        self._mid_gather = False
         return Gathered(estimates, [0] * len(estimates), {}, 0)
+
+    def export_worker_states(self) -> dict[int, Any]:
+        """Each worker's exported state by rank; empty after a gather that did not complete."""
+        if self._mid_gather:
+            return {}
+        states = {worker.rank: worker.export_state() for worker in self.workers}
+        return {rank: state for rank, state in states.items() if state is not None}
+
+    def load_worker_states(self, states: Mapping[int, Any]) -> WorkerRestore:
+        """Loads each rank's state into its worker; see :class:`WorkerRestore`."""
+        restored, fresh = [], {}
+        for worker in self.workers:
+            if worker.rank not in states:
+                fresh[worker.rank] = "no saved state"
+                continue
+            try:
+                worker.load_state(states[worker.rank])
+            except ValueError as err:
+                fresh[worker.rank] = str(err)
+            else:
+                restored.append(worker.rank)
+        ranks = {worker.rank for worker in self.workers}
+        return WorkerRestore(tuple(restored), fresh, tuple(sorted(set(states) - ranks)))
 
     def describe_actors(self) -> list[dict[str, Any]]:
         """Each worker, in rank order: all in this process (``node_id`` ``"local"``), unpinned."""

@@ -57,6 +57,17 @@ calls in flight are lost (``Gathered.lost_in_flight``) and the run goes on;
 the replacements of each gather are reported in ``Gathered.restarted``. After
 ``max_actor_restarts`` replacements ``gather`` raises ``RuntimeError``.
 
+Worker states (exact resume). :meth:`RayPopulation.export_worker_states`
+asks every ready actor for its worker's exported state, and
+:meth:`RayPopulation.load_worker_states` has each actor continue from one,
+both between gathers. Sync mode exports only at a round boundary (after a
+completed gather, no call in flight), where a population restored from the
+export continues bit for bit. Async mode exports each actor's state after the
+calls queued on it; the estimates of those calls are not part of it. A
+replacement actor starts fresh, never from a saved state: a saved state is
+older than the lost actor's progress, and restoring it would rerun inner
+trajectories that were already used.
+
 The population never starts or stops Ray: it uses the instance initialised in
 this process (the run opens it with
 :func:`~popmeta.population.ray_runtime.start_ray_for`).
@@ -64,7 +75,9 @@ this process (the run opens it with
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -72,10 +85,12 @@ import ray
 from popmeta.actors.actor import EstimatorActor
 from popmeta.config import Config
 from popmeta.estimate import Estimate
-from popmeta.population.base import Gathered
+from popmeta.population.base import Gathered, WorkerRestore
 from popmeta.population.supervisor import ActorSupervisor
 
 __all__ = ["STARVING_SPACINGS", "AsyncGather", "RayPopulation", "SyncGather", "starving_after"]
+
+log = logging.getLogger("popmeta")
 
 #: How many times the average spacing of one rank's accepted estimates an async
 #: rank may go without one before it is starving (see :func:`starving_after`).
@@ -256,6 +271,8 @@ class RayPopulation:
         self._theta_ref: Any = None
         self._theta_version: int | None = None
         self._closed = False
+        # True while a gather runs: an exception out of it leaves a sync round half done.
+        self._mid_gather = False
 
         def actor_args(rank: int, restart: int, pin: tuple[int, ...] | None) -> tuple[Any, ...]:
             return config, rank, restart, pin
@@ -311,10 +328,51 @@ class RayPopulation:
         if self._theta_version != version or self._theta_ref is None:
             self._theta_ref = ray.put(theta)
             self._theta_version = version
+        self._mid_gather = True
         gathered = self._policy.gather(self._theta_ref, version)
+        self._mid_gather = False
         return gathered._replace(
             restarted=supervisor.num_restarts - restarts,
             lost_in_flight=supervisor.num_lost_calls - lost,
+        )
+
+    def export_worker_states(self) -> dict[int, Any]:
+        """Each ready actor's exported worker state, by rank (see the module's docstring).
+
+        Sync mode: empty unless at a round boundary (a gather interrupted
+        half-way, or calls in flight). Ranks whose actor has no state yet,
+        fails or does not answer are absent (logged).
+        """
+        if self._closed:
+            raise RuntimeError("export_worker_states() on a closed RayPopulation")
+        supervisor = self._supervisor
+        ranks = supervisor.ready_ranks
+        if self._pc.mode == "sync" and (
+            self._mid_gather or any(supervisor.in_flight(rank) for rank in ranks)
+        ):
+            return {}
+        values, failed = supervisor.call_each("export_state", {rank: () for rank in ranks})
+        for rank, why in failed.items():
+            log.warning("actor %d: its worker state is not saved: %s", rank, why)
+        return {rank: state for rank, state in sorted(values.items()) if state is not None}
+
+    def load_worker_states(self, states: Mapping[int, Any]) -> WorkerRestore:
+        """Each live actor whose rank is in ``states`` continues from that state.
+
+        Call it before the first :meth:`gather`. An actor whose state does not
+        fit, or that fails, starts fresh; the reasons are in the result.
+        """
+        if self._closed:
+            raise RuntimeError("load_worker_states() on a closed RayPopulation")
+        live = self._supervisor.ranks
+        calls = {rank: (states[rank],) for rank in live if rank in states}
+        loaded, failed = self._supervisor.call_each("load_state", calls)
+        fresh = {rank: "no saved state" for rank in live if rank not in states}
+        fresh.update(failed)
+        return WorkerRestore(
+            tuple(sorted(loaded)),
+            dict(sorted(fresh.items())),
+            tuple(sorted(set(states) - set(live))),
         )
 
     def describe_actors(self) -> list[dict[str, Any]]:

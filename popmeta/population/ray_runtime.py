@@ -26,6 +26,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ __all__ = [
     "RayHandle",
     "apply_loopback_env",
     "quiet_fork",
+    "route_raylet_messages_to_logging",
     "start_ray",
     "start_ray_for",
 ]
@@ -149,6 +151,7 @@ def start_ray(
 
     if ray.is_initialized():
         return RayHandle(_gcs_address(), started=False, joined=False)
+    route_raylet_messages_to_logging()
 
     common = {
         "log_to_driver": False,
@@ -182,6 +185,40 @@ def start_ray_for(population: PopulationConfig) -> RayHandle:
     """
     needed = math.ceil(population.num_actors * population.num_cpus)
     return start_ray(population.address, num_cpus=max(os.cpu_count() or 1, needed))
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+_RAYLET_LOG = logging.getLogger("popmeta.ray")
+
+
+def route_raylet_messages_to_logging() -> None:
+    """Sends the errors Ray's raylet publishes to the driver to the ``popmeta.ray`` logger.
+
+    Ray's driver prints each of them (an actor's death is a colour-coded
+    paragraph starting "(raylet) A worker died or was killed") to stdout from
+    a thread of its own, ``ray._private.worker.listen_error_messages``,
+    whatever ``log_to_driver`` says. popmeta reports every actor loss itself
+    (the supervisor's "actor N ... was lost" warning), so these messages go
+    to a DEBUG logger, without colour codes, instead of the user's terminal.
+    That thread looks ``print_to_stdstream`` up as a module global at each
+    message, so replacing it there is enough; other streams pass through.
+    Idempotent.
+    """
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    if getattr(original, "_popmeta_routed", False):
+        return
+
+    def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            original(data, ignore_prefix)
+            return
+        for line in data.get("lines", []):
+            _RAYLET_LOG.debug("%s", _ANSI_ESCAPE.sub("", str(line)))
+
+    print_to_stdstream._popmeta_routed = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
 
 
 @contextlib.contextmanager

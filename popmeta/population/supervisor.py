@@ -22,6 +22,9 @@ the actors compute: callers submit calls with a tag of their choosing and get
   ``RuntimeError``. With one actor per node the replacement stays on its node
   if that is alive, else goes to an alive carrier node without an actor; if
   there is none the rank is retired and the others go on.
+* :meth:`ActorSupervisor.call_each` calls one method on several ready actors
+  and waits for them, outside the tagged calls (e.g. to save or load the
+  workers' states between gathers).
 * :meth:`ActorSupervisor.close` kills every actor and removes the placement
   group; it never stops Ray.
 """
@@ -32,12 +35,18 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import ray
 import ray.util
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import (
+    ActorUnavailableError,
+    GetTimeoutError,
+    RayActorError,
+    RayError,
+    RayTaskError,
+)
 from ray.util import scheduling_strategies as strategies
 from ray.util.placement_group import PlacementGroup
 
@@ -230,6 +239,54 @@ class ActorSupervisor:
         actor.last_progress = time.monotonic()
         actor.unavailable_since = None
         return Reply(call.rank, call.tag, value)
+
+    def call_each(
+        self, method: str, args: Mapping[int, Sequence[Any]]
+    ) -> tuple[dict[int, Any], dict[int, str]]:
+        """Calls ``method(*args[rank])`` on the actor of each rank in ``args``; waits for all.
+
+        These calls are not tagged calls: their replies never come out of
+        :meth:`next_reply` and they are not counted in :meth:`in_flight`. An
+        actor runs its calls in the order they were submitted, so this one
+        runs after the calls already queued on it; the wait allows
+        ``call_timeout_s`` for each of those and for this one. A rank without a
+        ready actor, an actor that raises, dies or does not answer in time is
+        left out with the reason; a lost actor is handled (replaced) by the
+        next tagged call, as always.
+
+        Args:
+          method: the actor method.
+          args: rank -> the call's arguments.
+
+        Returns:
+          ``(rank -> returned value, rank -> why there is none)``.
+        """
+        timeout_s = self._pc.call_timeout_s
+        refs: dict[int, Any] = {}
+        failed: dict[int, str] = {}
+        for rank, call_args in args.items():
+            actor = self._actors.get(rank)
+            if actor is None or not actor.ready:
+                failed[rank] = "no ready actor serves this rank"
+                continue
+            refs[rank] = getattr(actor.handle, method).remote(*call_args)
+        if not refs:
+            return {}, failed
+        ahead = max(self._actors[rank].in_flight for rank in refs)
+        wait_s = timeout_s * (ahead + 1)
+        done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s)
+        values: dict[int, Any] = {}
+        for rank, ref in refs.items():
+            if ref not in done:
+                failed[rank] = f"no answer to {method}() within {wait_s:g}s"
+                continue
+            try:
+                values[rank] = ray.get(ref, timeout=timeout_s)
+            except RayTaskError as err:  # the method raised: report its own error
+                failed[rank] = f"{type(err.cause).__name__}: {err.cause}"
+            except RayError as err:
+                failed[rank] = f"{type(err).__name__}: {err}"
+        return values, failed
 
     def describe(self) -> list[dict[str, Any]]:
         """Each live actor's ``info()``, in rank order.

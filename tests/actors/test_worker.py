@@ -230,13 +230,17 @@ def check_sharded_matches_single_device(kind: str, truncations_per_call: int) ->
         for x, y in zip(
             jax.tree_util.tree_leaves(a.grad), jax.tree_util.tree_leaves(b.grad), strict=True
         ):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=f"grad v{version}")
+            # Antithetic differences of float32 losses of about 10 (resolution
+            # ~1e-6), computed in another order across devices, over 2 std^2.
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"grad v{version}")
         np.testing.assert_allclose(a.mean_loss, b.mean_loss, rtol=1e-5)
         assert a.weight == b.weight
         assert set(a.metrics) == set(b.metrics)
         for name in a.metrics:
             if name != "compute_time_s":
-                np.testing.assert_allclose(a.metrics[name], b.metrics[name], rtol=1e-5)
+                np.testing.assert_allclose(
+                    a.metrics[name], b.metrics[name], rtol=1e-5, atol=1e-6, err_msg=name
+                )
         if kind == "full_es":  # fresh episodes on every call: no trajectories to report
             assert a.phases is None and b.phases is None
         else:

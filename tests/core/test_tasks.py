@@ -50,79 +50,88 @@ def test_quadratic_task_shapes_and_loss():
     assert task.name == "QuadraticTask"
 
 
-def test_fixed_dim_quadratic_family_jit_vmap_over_task_params():
+def test_fixed_dim_quadratic_family_samples_a_target_per_task():
+    """The reference's definition: loss sum((t - p)**2), target t ~ N(0, I) per task."""
     family = FixedDimQuadraticFamily(dim=5)
-    keys = jax.random.split(jax.random.PRNGKey(0), 64)
-    scales = jax.jit(jax.vmap(family.sample))(keys)
-    assert scales.shape == (64, 5) and scales.dtype == jnp.float32
-    assert float(scales.min()) >= 0.1 - 1e-6 and float(scales.max()) <= 10.0 + 1e-5
-    # Log-uniform: about half the mass below the geometric midpoint 1.
-    assert 0.35 < float(jnp.mean(scales < 1.0)) < 0.65
+    keys = jax.random.split(jax.random.PRNGKey(0), 400)
+    targets = jax.jit(jax.vmap(family.sample))(keys)
+    assert targets.shape == (400, 5) and targets.dtype == jnp.float32
+    assert abs(float(targets.mean())) < 0.1 and 0.9 < float(targets.std()) < 1.1
 
     @jax.jit
     @jax.vmap
-    def init_and_loss(task_param, key):
+    def init_loss_and_grad(task_param, key):
         task = family.task_fn(task_param)  # task_param is a tracer here
         params = task.init(key)
-        return params, task.loss(params, key, task.sample_batch(key))
+        loss, grad = jax.value_and_grad(task.loss)(params, key, task.sample_batch(key))
+        return params, loss, grad, task.loss(task_param, key, None)
 
-    params, losses = init_and_loss(scales, keys)
-    assert params.shape == (64, 5)
-    np.testing.assert_allclose(losses, 0.5 * np.sum(scales * params**2, axis=-1), rtol=1e-5)
-    assert family.datasets is None
-    assert vec_get_batch(family, 3) == ()
+    init_keys = jax.random.split(jax.random.PRNGKey(1), 400)
+    params, losses, grads, at_target = init_loss_and_grad(targets, init_keys)
+    assert params.shape == (400, 5) and not np.allclose(params, targets)
+    np.testing.assert_allclose(losses, np.sum((targets - params) ** 2, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(grads, 2 * (params - targets), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(at_target, 0.0)  # the optimum is the target, not the origin
+    task = family.task_fn(targets[0])
+    assert task.normalizer(jnp.float32(1e6)) == 1e6 and task.datasets is None
+    assert family.datasets is None and vec_get_batch(family, 3) == ()
+    with pytest.raises(ValueError, match="dim"):
+        FixedDimQuadraticFamily(dim=0)
 
 
-def test_fixed_dim_quadratic_family_data_device_sampler():
-    family = FixedDimQuadraticFamilyData(dim=4, batch_size=8)
+def test_fixed_dim_quadratic_family_data_adds_noise_to_the_loss_only():
+    family = FixedDimQuadraticFamilyData(dim=4)
     sample = jax.jit(jax.vmap(family.sample_batch))
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    batches = sample(keys)
-    assert batches.shape == (3, 8, 4) and batches.dtype == jnp.float32
-    assert not np.allclose(batches[0], batches[1])
-    np.testing.assert_array_equal(sample(keys), batches)  # a pure function of the key
+    keys = jax.random.split(jax.random.PRNGKey(0), 2000)
+    noise = sample(keys)
+    assert noise.shape == (2000,) and noise.dtype == jnp.float32
+    np.testing.assert_array_equal(sample(keys), noise)  # a pure function of the key
+    assert abs(float(noise.mean())) < 0.1 and 0.9 < float(noise.std()) < 1.1
+    outer = jax.jit(family.sample_batch, static_argnames="split")(keys[0], split="outer_valid")
+    assert outer.shape == ()
+    with pytest.raises(ValueError, match="split"):
+        family.sample_batch(keys[0], "validation")
 
-    train_rows = _row_set(family.data.split("train").host_arrays)
-    test_rows = _row_set(family.data.split("test").host_arrays)
-    assert _row_set(batches.reshape(-1, 4)) <= train_rows
-    test_batch = jax.jit(family.sample_batch, static_argnames="split")(keys[0], split="test")
-    assert _row_set(test_batch) <= test_rows
-    assert not _row_set(test_batch) & train_rows
-
-    # Tasks see the family's data; loss under vmap over task params and keys.
-    scales = jax.vmap(family.sample)(keys)
+    targets = jax.vmap(family.sample)(keys[:3])
+    assert targets.shape == (3, 4)
 
     @jax.jit
     @jax.vmap
-    def loss(task_param, key):
+    def loss_and_grad(task_param, key):
         task = family.task_fn(task_param)
         data = task.sample_batch(key)
-        return task.loss(jnp.zeros(4), key, data), data
+        return jax.value_and_grad(task.loss)(jnp.zeros(4), key, data), data
 
-    losses, data = loss(scales, keys)
-    np.testing.assert_array_equal(data, batches)
-    expected = 0.5 * np.mean(np.sum(scales[:, None] * np.asarray(batches) ** 2, -1), -1)
-    np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    assert family.task_fn(scales[0]).datasets is family.datasets
+    (losses, grads), data = loss_and_grad(targets, keys[:3])
+    np.testing.assert_array_equal(data, noise[:3])
+    np.testing.assert_allclose(losses, np.sum(targets**2, -1) + noise[:3], rtol=1e-5)
+    np.testing.assert_allclose(grads, -2 * targets, rtol=1e-6)  # the noise shifts the loss only
+    task = family.task_fn(targets[0])
+    assert task.datasets is family.datasets
+    np.testing.assert_array_equal(
+        task.normalizer(jnp.asarray([-0.5, 3.0, 5e3])), [0.0, 3.0, 1000.0]
+    )
 
 
 def test_fixed_dim_quadratic_family_data_host_datasets_and_vec_get_batch():
-    family = FixedDimQuadraticFamilyData(dim=4, batch_size=8)
+    family = FixedDimQuadraticFamilyData(dim=4, seed=3)
     assert isinstance(family.datasets, Datasets)
     b = next(family.datasets.train)
-    assert isinstance(b, np.ndarray) and b.shape == (8, 4)
-    assert _row_set(b) <= _row_set(family.data.split("train").host_arrays)
+    assert isinstance(b, np.ndarray) and b.shape == () and b.dtype == np.float32
+    assert family.datasets.abstract_batch.shape == ()
     assert family.datasets.split("outer_valid") is family.datasets.outer_valid
     with pytest.raises(ValueError, match="split"):
         family.datasets.split("validation")
 
-    stacked = vec_get_batch(family, 5, split="inner_valid", numpy=True)
-    assert isinstance(stacked, np.ndarray) and stacked.shape == (5, 8, 4)
-    assert _row_set(stacked.reshape(-1, 4)) <= _row_set(
-        family.data.split("inner_valid").host_arrays
-    )
+    stacked = vec_get_batch(family, 500, split="inner_valid", numpy=True)
+    assert isinstance(stacked, np.ndarray) and stacked.shape == (500,)
+    assert abs(stacked.mean()) < 0.2 and 0.8 < stacked.std() < 1.2
+    again = FixedDimQuadraticFamilyData(dim=4, seed=3)
+    np.testing.assert_array_equal(next(again.datasets.train), b)  # seeded
+    np.testing.assert_array_equal(vec_get_batch(again, 500, "inner_valid", numpy=True), stacked)
+    assert not np.array_equal(vec_get_batch(again, 500, "test", numpy=True), stacked)
     stacked_jnp = vec_get_batch(family, 2)
-    assert isinstance(stacked_jnp, jax.Array) and stacked_jnp.shape == (2, 8, 4)
+    assert isinstance(stacked_jnp, jax.Array) and stacked_jnp.shape == (2,)
 
 
 def test_single_task_to_family():
@@ -197,6 +206,9 @@ def test_digits_task_params_and_batches(digits_task):
     assert abs(float(loss) - np.log(10)) < 0.5  # near-uniform predictions at init
     np.testing.assert_allclose(task.normalizer(jnp.float32(100.0)), 1.5 * np.log(10), rtol=1e-6)
     np.testing.assert_allclose(task.normalizer(jnp.float32(0.7)), 0.7, rtol=1e-6)
+    # A diverged inner run reads as the cap, as in the reference, never as NaN.
+    capped = task.normalizer(jnp.asarray([np.nan, np.inf], jnp.float32))
+    np.testing.assert_allclose(capped, [1.5 * np.log(10)] * 2, rtol=1e-6)
 
     host = next(task.datasets.test)
     assert isinstance(host["image"], np.ndarray) and host["image"].shape == (64, 8, 8, 1)

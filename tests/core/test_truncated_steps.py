@@ -5,13 +5,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from popmeta import (
+    SGD,
+    Adam,
     ConstantTruncationSchedule,
     FixedDimQuadraticFamilyData,
     ImageMLP_Digits8_Relu32,
     LearnableSGDM,
     LogUniformLengthSchedule,
+    MLPLOpt,
+    MLPLOptState,
     NeverEndingTruncationSchedule,
     TruncatedStep,
     TruncatedUnrollOut,
@@ -20,6 +25,7 @@ from popmeta import (
     single_task_to_family,
     vec_get_batch,
 )
+from popmeta.core.lopt_truncated_step import LOptTruncatedState
 
 
 def test_constant_schedule_reports_done_from_its_length_on():
@@ -115,21 +121,92 @@ def test_lopt_step_offsets_advance_and_reset_one_task_at_a_time():
     step = _lopt_step()
     theta = step.learned_opt.init(jax.random.key(0))
     state = step.init_step_state(theta, None, jax.random.key(4))
-    start = np.asarray(state.inner_opt_state.iteration)
+    start = np.asarray(state.inner_step)
     assert start.min() >= 0 and start.max() < 5 and len(set(start.tolist())) > 1
 
     unroll = jax.jit(step.unroll_step)
     expected = start.copy()
+    updates = np.zeros(3, int)  # updates applied since the task's (re)start
     pending = np.zeros(3, bool)
     for i in range(12):
         state, out = unroll(theta, state, jax.random.key(i), None, None)
         expected = np.where(pending, 0, expected + 1)
+        updates = np.where(pending, 0, updates + 1)
         np.testing.assert_array_equal(np.asarray(out.iteration), expected)
+        np.testing.assert_array_equal(np.asarray(state.inner_step), expected)
+        np.testing.assert_array_equal(np.asarray(state.inner_opt_state.iteration), updates)
         np.testing.assert_array_equal(np.asarray(out.mask), ~pending)
         assert np.all(np.asarray(out.loss)[pending] == 0.0)
         assert np.all(np.asarray(out.loss)[~pending] > 0.0)
         pending = np.asarray(out.is_done)
         np.testing.assert_array_equal(pending, expected >= 5)
+
+
+def test_the_offset_moves_only_the_truncation_counter():
+    """As in the reference: a task at offset k is a fresh task whose optimizer is at iteration 0."""
+    step = _lopt_step(num_tasks=64, offset=50, length=100)
+    theta = step.learned_opt.init(jax.random.key(0))
+    state = step.init_step_state(theta, None, jax.random.key(1))
+    offsets = np.asarray(state.inner_step)
+    assert offsets.min() >= 0 and offsets.max() < 50 and len(set(offsets.tolist())) > 10
+    np.testing.assert_array_equal(np.asarray(state.inner_opt_state.iteration), 0)
+    # init_step_state is init_episode_state on its first key, then the offsets:
+    # tasks, params and optimizer states are those of fresh tasks.
+    fresh = step.init_episode_state(theta, None, jax.random.split(jax.random.key(1))[0])
+    np.testing.assert_array_equal(np.asarray(fresh.inner_step), 0)
+    jax.tree.map(np.testing.assert_array_equal, fresh.replace(inner_step=offsets), state)
+    stepped, out = step.unroll_step(theta, state, jax.random.key(2), None, None)
+    stepped_fresh, out_fresh = step.unroll_step(theta, fresh, jax.random.key(2), None, None)
+    np.testing.assert_array_equal(np.asarray(out.iteration), offsets + 1)
+    np.testing.assert_array_equal(np.asarray(out_fresh.iteration), 1)
+    np.testing.assert_array_equal(out.loss, out_fresh.loss)
+    jax.tree.map(
+        np.testing.assert_array_equal, stepped.inner_opt_state, stepped_fresh.inner_opt_state
+    )
+    # An offset at or past the length ends the trajectory on its first step.
+    late = step.init_episode_state(theta, None, jax.random.key(1)).replace(
+        inner_step=jnp.full((64,), 99, jnp.int32)
+    )
+    _, out = step.unroll_step(theta, late, jax.random.key(2), None, None)
+    assert np.asarray(out.is_done).all() and np.asarray(out.mask).all()
+    np.testing.assert_allclose(step.trajectory_phase(late), 0.99)
+
+
+def test_notebook_api_outer_init_inner_step_and_replace():
+    """What the reference notebooks call: outer_init -> theta, unroll_state.inner_step, .replace."""
+    step = VectorizedLOptTruncatedStep(
+        FixedDimQuadraticFamilyData(10),
+        MLPLOpt(),
+        ConstantTruncationSchedule(10),
+        num_tasks=4,
+        random_initial_iteration_offset=10,
+    )
+    theta = step.outer_init(jax.random.key(0))
+    expected = MLPLOpt().init(jax.random.key(0))
+    assert jax.tree.structure(theta) == jax.tree.structure(expected)
+    jax.tree.map(np.testing.assert_array_equal, theta, expected)
+
+    unroll_state = step.init_step_state(theta, None, jax.random.key(1))
+    assert unroll_state.inner_step.shape == (4,) and unroll_state.inner_step.dtype == jnp.int32
+    assert "inner_step" in repr(unroll_state)
+    assert isinstance(unroll_state.inner_opt_state, MLPLOptState)
+    for _ in range(3):
+        unroll_state, _ = step.unroll_step(theta, unroll_state, jax.random.key(2), None, None)
+    # the notebook's edit of an optimizer state, on the state the unroll carries
+    opt_state = unroll_state.inner_opt_state.replace(iteration=jnp.zeros((4,), jnp.int32))
+    assert isinstance(opt_state, MLPLOptState)
+    np.testing.assert_array_equal(opt_state.iteration, 0)
+    np.testing.assert_array_equal(opt_state.params, unroll_state.inner_opt_state.params)
+    unroll_state = unroll_state.replace(inner_opt_state=opt_state)
+    assert isinstance(unroll_state, LOptTruncatedState)
+    np.testing.assert_array_equal(unroll_state.inner_opt_state.iteration, 0)
+    for opt in (SGD(0.1), Adam(0.1)):
+        state = opt.init(jnp.ones(3)).replace(iteration=jnp.asarray(7, jnp.int32))
+        assert int(opt.update(state, jnp.ones(3)).iteration) == 8
+    trunc_state = ConstantTruncationSchedule(5).init(jax.random.key(0)).replace(length=7)
+    assert int(trunc_state.length) == 7
+    with pytest.raises(ValueError, match="no_such_field"):
+        opt_state.replace(no_such_field=1)
 
 
 def test_lopt_step_reset_draws_a_new_task():

@@ -195,7 +195,6 @@ def test_one_actor_per_tpu_node_and_a_lost_tpu_node(nodes, caplog):
         resources={"TPU": 4},
         mode="async",
         batch_size=2,
-        num_actors=1,  # the default: with one actor per node, a count is rejected
     )
     with RayPopulation(config) as population:
         assert population.num_live == 2

@@ -330,7 +330,7 @@ def test_population_env_reaches_the_actors_and_init_errors_surface(ray_session):
 
 
 def test_one_actor_per_node_without_a_carrier_fails_clearly(ray_session):
-    config = tiny_config(one_actor_per_node_with="TPU", num_actors=1)
+    config = tiny_config(one_actor_per_node_with="TPU")
     with pytest.raises(RuntimeError, match="no alive Ray node carries resource 'TPU'"):
         RayPopulation(config)
 

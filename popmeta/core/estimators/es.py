@@ -18,8 +18,16 @@ __all__ = ["FullES", "TruncatedES", "TruncatedESWorkerState"]
 class FullES(AntitheticEstimator):
     """Antithetic ES over whole episodes, started fresh on every call.
 
-    One perturbation per task per episode. Unbiased for the gradient of the
-    episode's mean meta-loss; each call costs a whole episode.
+    One perturbation per task per episode. Every call starts fresh tasks from
+    ``truncated_step.init_episode_state``: at the very start of their
+    trajectories, whatever ``random_initial_iteration_offset`` the step was
+    built with (the offset spreads a persistent population's resets; an
+    episode that started part-way would be a shortened trajectory, a reset and
+    an unfinished one). With an episode length equal to the schedule's
+    constant length, each episode is exactly one whole trajectory, and the
+    estimate is unbiased for the gradient of its mean meta-loss (of the
+    Gaussian-smoothed loss, which is the loss itself when it is quadratic in
+    theta). Each call costs a whole episode.
 
     Args:
       truncated_step: a vectorized truncated step (``num_tasks`` attribute).
@@ -59,7 +67,7 @@ class FullES(AntitheticEstimator):
     def estimate(self, theta, state, key, data=None, outer_state=None):
         del state
         key_init, key_noise, key_unroll = jax.random.split(key, 3)
-        start = self.truncated_step.init_step_state(theta, outer_state, key_init)
+        start = self.truncated_step.init_episode_state(theta, outer_state, key_init)
         noise = self._noise(key_noise, theta)
         unrolled, deltas = self._unroll(
             theta,

@@ -20,6 +20,27 @@ Input features per parameter (19 with the defaults), in order:
 The first ten are normalised by their second moment over the tensor (as the
 reference does), which makes the optimizer invariant to each tensor's gradient
 and parameter scale; the time features are shared by the whole tensor.
+
+How this differs from the reference's ``MLPLOpt`` (also 19 inputs, but not the
+same 19, so a reference theta cannot be loaded here):
+
+* Reference per-parameter features: ``g``, ``p`` and six momentums with decays
+  (0.1, 0.5, 0.9, 0.99, 0.999, 0.9999), 8 in all. Here: ``p``, ``g``, three
+  momentums (0.5, 0.9, 0.99) and four features the reference does not have:
+  the squared-gradient EMA ``v`` (decay 0.999), the three Adam-like ratios
+  ``m_k / sqrt(v + eps)`` and ``1 / sqrt(v + eps)``, 10 in all.
+* Reference time features: 11 timescales, 1 to 100000. Here: 9, 1 to 10000.
+* Both normalise the per-parameter features by their second moment over the
+  tensor. The ``p`` feature is then ``p / rms(p)``, in both: on a task whose
+  optimum is at the origin it points straight at the optimum, which is why
+  the quadratic families sample a target per task.
+* Reference theta is Haiku's ``{"mlp/~/linear_i": {"w", "b"}}`` with Haiku's
+  default init; here it is ``{"linear_i": {"w", "b"}}`` with the same init,
+  except that the output layer is scaled by ``output_init_scale`` (1e-3), so
+  that an untrained theta takes tiny steps.
+* The step (``direction * exp(magnitude * magnitude_multiplier) *
+  step_multiplier``, both multipliers 0.001) and the state's ``iteration``
+  (the updates applied, read by the time features) are the reference's.
 """
 
 from __future__ import annotations
@@ -31,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
 from popmeta.core.optimizers import Optimizer
 
@@ -57,6 +79,8 @@ class MLPLOptState(NamedTuple):
     momentums: Params
     rms: Params
     iteration: jax.Array
+
+    replace = tree_utils.replace
 
 
 def _second_moment_normalize(x: jax.Array, axes: tuple[int, ...], eps: float = 1e-5) -> jax.Array:

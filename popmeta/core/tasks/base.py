@@ -52,6 +52,14 @@ class Task:
         """Maps a loss to the scale used as a meta-loss (identity by default)."""
         return loss
 
+    def accuracy(self, params: Params, data: Batch) -> jax.Array | None:
+        """Fraction of ``data`` that ``params`` classifies correctly; None for tasks without labels.
+
+        Meta-testing reports it beside the test loss where a task defines it.
+        """
+        del params, data
+        return None
+
     def sample_batch(self, key: jax.Array, split: str = "train") -> Batch | None:
         """Draws one batch of ``split`` on device from ``key``; jittable.
 

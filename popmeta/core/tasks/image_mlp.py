@@ -1,7 +1,18 @@
 """MLP image classifiers on small in-memory 8x8 datasets.
 
-Mirrors ``learned_optimization.tasks.fixed.image_mlp`` (dict params, relu MLP,
-softmax cross-entropy, loss clipped by ``normalizer``) on data small enough to
+:class:`ImageMLPTask` computes what the reference's image MLP tasks
+(``learned_optimization.tasks.fixed.image_mlp``, e.g.
+``ImageMLP_FashionMnist8_Relu32``) compute: images flattened, a relu MLP
+(``hk.nets.MLP``: weights truncated-normal with std ``1/sqrt(fan_in)``, zero
+biases, no activation on the logits), mean softmax cross-entropy, and a
+normalizer that clips the loss to ``[0, 1.5 log(num_classes)]`` and maps NaN
+to that upper bound. Its parameters are
+``{"linear_i": {"w", "b"}}`` where Haiku names them ``"mlp/~/linear_i"``.
+
+The datasets are popmeta's, and so are the task names: the reference's 8x8
+tasks read TFDS datasets (Fashion-MNIST, MNIST, CIFAR-10) resized to 8x8,
+which need downloads; ``ImageMLP_Digits8_Relu32`` uses scikit-learn's bundled
+8x8 digits and ``ImageMLP_Npz8_Relu32`` a local ``.npz``, both small enough to
 live on device, so batches are sampled inside jit.
 """
 
@@ -132,10 +143,16 @@ class ImageMLPTask(Task):
         logits = self.apply(params, data["image"])
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, data["label"]))
 
+    def accuracy(self, params: Params, data: Batch) -> jax.Array:
+        logits = self.apply(params, data["image"])
+        return jnp.mean(jnp.argmax(logits, axis=-1) == data["label"])
+
     def normalizer(self, loss: jax.Array) -> jax.Array:
-        # Divergent inner runs would otherwise dominate the meta-loss; the
-        # reference image tasks clip at 1.5x the loss of a uniform prediction.
-        return jnp.clip(loss, 0.0, 1.5 * np.log(self.num_classes))
+        # Divergent inner runs would otherwise dominate the meta-loss (or make it
+        # NaN); the reference image tasks cap it at 1.5x the loss of a uniform
+        # prediction.
+        max_value = np.float32(1.5 * np.log(self.num_classes))
+        return jnp.nan_to_num(jnp.clip(loss, 0.0, max_value), nan=max_value)
 
     def sample_batch(self, key: jax.Array, split: str = "train") -> Batch:
         return self.data.sample_batch(key, self.batch_size, split)

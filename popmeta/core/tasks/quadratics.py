@@ -1,24 +1,29 @@
-"""Quadratic tasks and task families: cheap inner problems for tests and demos.
+"""Quadratic tasks and task families, as ``learned_optimization.tasks.quadratics`` defines them.
 
-Family variant used here (documented because it differs from a plain
-``sum((scale * p) ** 2)``): each task is a diagonal quadratic
+Each class here carries the reference library's name and computes what the
+reference's class of that name computes:
 
-    L(p) = 1/2 * sum_i s_i * p_i**2,    s_i ~ LogUniform(min_scale, max_scale)
+* :class:`QuadraticTask`: ``sum(p**2)``, ``p ~ N(0, I)``; data-free.
+* :class:`FixedDimQuadraticFamily`: a target ``t ~ N(0, I)`` per task, loss
+  ``sum((t - p)**2)``, ``p ~ N(0, I)``; data-free, identity normalizer.
+* :class:`FixedDimQuadraticFamilyData`: the same sampled target, loss
+  ``sum((t - p)**2) + x`` where the batch ``x`` is one scalar ``N(0, 1)``
+  draw, and the normalizer clips the loss to ``[0, 1000]``.
 
-so ``task_param = s`` *is* the per-coordinate curvature. With the default
-range [0.1, 10] the condition number is at most 100, and a single learning rate
-below 2 / max(s) = 0.2 is stable on every member: hard enough that step-size
-adaptation pays off, well-conditioned enough that short unrolls make progress.
+Because the target is sampled per task, a task's optimum is not at the origin:
+a learned optimizer cannot solve the family by stepping along ``-p``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from popmeta.core.tasks.base import Task, TaskFamily
-from popmeta.core.tasks.datasets import Batch, Datasets, InMemoryDataset
+from popmeta.core.tasks.datasets import SPLITS, Batch, Datasets
 
 __all__ = [
     "FixedDimQuadraticFamily",
@@ -26,12 +31,21 @@ __all__ = [
     "QuadraticTask",
 ]
 
+# The reference clips FixedDimQuadraticFamilyData's meta-loss at this value.
+_DATA_LOSS_CLIP = 1000.0
+
+
+def _check_dim(dim: int) -> int:
+    if isinstance(dim, bool) or int(dim) != dim or dim < 1:
+        raise ValueError(f"dim must be a positive integer; got {dim!r}.")
+    return int(dim)
+
 
 class QuadraticTask(Task):
     """``loss(p) = sum(p**2)`` with ``p ~ N(0, I)`` of shape ``[dim]``; data-free."""
 
     def __init__(self, dim: int = 10):
-        self.dim = dim
+        self.dim = _check_dim(dim)
 
     def init(self, key: jax.Array) -> jax.Array:
         return jax.random.normal(key, (self.dim,), jnp.float32)
@@ -41,20 +55,15 @@ class QuadraticTask(Task):
         return jnp.sum(jnp.square(params))
 
 
-def _sample_log_uniform_scale(
-    key: jax.Array, dim: int, min_scale: float, max_scale: float
-) -> jax.Array:
-    log_s = jax.random.uniform(
-        key, (dim,), jnp.float32, minval=np.log(min_scale), maxval=np.log(max_scale)
-    )
-    return jnp.exp(log_s)
+def _sample_target(key: jax.Array, dim: int) -> jax.Array:
+    return jax.random.normal(key, (dim,), jnp.float32)
 
 
-class _ScaledQuadraticTask(Task):
-    """One member of :class:`FixedDimQuadraticFamily`; ``scale`` may be traced."""
+class _TargetQuadraticTask(Task):
+    """One member of :class:`FixedDimQuadraticFamily`; ``target`` may be traced."""
 
-    def __init__(self, scale: jax.Array, dim: int):
-        self.scale = scale
+    def __init__(self, target: jax.Array, dim: int):
+        self.target = target
         self.dim = dim
 
     def init(self, key: jax.Array) -> jax.Array:
@@ -62,97 +71,84 @@ class _ScaledQuadraticTask(Task):
 
     def loss(self, params: jax.Array, key: jax.Array, data: Batch) -> jax.Array:
         del key, data
-        return 0.5 * jnp.sum(self.scale * jnp.square(params))
+        return jnp.sum(jnp.square(self.target - params))
 
 
 class FixedDimQuadraticFamily(TaskFamily):
-    """Diagonal quadratics with log-uniform per-coordinate curvature; data-free.
+    """Quadratics of a fixed dimension with a sampled target; data-free.
 
-    ``task_param`` is the curvature vector ``s`` of shape ``[dim]`` and the task
-    loss is ``0.5 * sum(s * p**2)`` (see the module docstring for why).
-    Parameters are initialised ``N(0, I)``.
+    ``task_param`` is the target ``t ~ N(0, I)`` of shape ``[dim]``; the task's
+    loss is ``sum((t - p)**2)`` (minimised at ``p = t``) and its parameters
+    start at ``p ~ N(0, I)``, as in the reference library.
     """
 
-    def __init__(self, dim: int = 10, min_scale: float = 0.1, max_scale: float = 10.0):
-        if not 0 < min_scale <= max_scale:
-            raise ValueError(f"Need 0 < min_scale <= max_scale; got {min_scale}, {max_scale}.")
-        self.dim = dim
-        self.min_scale = min_scale
-        self.max_scale = max_scale
+    def __init__(self, dim: int = 10):
+        self.dim = _check_dim(dim)
 
     def sample(self, key: jax.Array) -> jax.Array:
-        return _sample_log_uniform_scale(key, self.dim, self.min_scale, self.max_scale)
+        return _sample_target(key, self.dim)
 
     def task_fn(self, task_params: jax.Array) -> Task:
-        return _ScaledQuadraticTask(task_params, self.dim)
+        return _TargetQuadraticTask(task_params, self.dim)
 
 
-class _NoisyScaledQuadraticTask(Task):
+class _NoisyTargetQuadraticTask(_TargetQuadraticTask):
     """One member of :class:`FixedDimQuadraticFamilyData`."""
 
-    def __init__(self, family: FixedDimQuadraticFamilyData, scale: jax.Array):
+    def __init__(self, family: FixedDimQuadraticFamilyData, target: jax.Array):
+        super().__init__(target, family.dim)
         self._family = family
-        self.scale = scale
-        self.dim = family.dim
         self.datasets = family.datasets
-
-    def init(self, key: jax.Array) -> jax.Array:
-        return jax.random.normal(key, (self.dim,), jnp.float32)
 
     def loss(self, params: jax.Array, key: jax.Array, data: jax.Array) -> jax.Array:
         del key
-        per_example = 0.5 * jnp.sum(self.scale * jnp.square(params - data), axis=-1)
-        return jnp.mean(per_example)
+        return jnp.sum(jnp.square(self.target - params)) + data
+
+    def normalizer(self, loss: jax.Array) -> jax.Array:
+        return jnp.clip(loss, 0.0, _DATA_LOSS_CLIP)
 
     def sample_batch(self, key: jax.Array, split: str = "train") -> jax.Array:
         return self._family.sample_batch(key, split)
 
 
+def _noise_iterator(seed: int) -> Iterator[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    while True:
+        yield np.asarray(rng.standard_normal(), np.float32)
+
+
 class FixedDimQuadraticFamilyData(TaskFamily):
-    """Stochastic diagonal quadratics: the optimum is observed through noisy data.
+    """Sampled-target quadratics whose loss carries additive noise from the data.
 
-    Same task parameters as :class:`FixedDimQuadraticFamily`. A batch is an
-    array ``x`` of shape ``[batch_size, dim]`` of i.i.d. ``N(0, noise_std**2)``
-    samples, and
+    ``task_param`` is the target ``t ~ N(0, I)`` of shape ``[dim]``. A batch is
+    one float32 scalar ``x ~ N(0, 1)`` (every split draws from the same
+    distribution), and
 
-        loss(p, x) = mean_b 0.5 * sum_i s_i * (p_i - x_bi)**2,
+        loss(p, x) = sum((t - p)**2) + x,    normalizer(l) = clip(l, 0, 1000).
 
-    whose expectation is minimised at ``p = 0``; the gradient noise falls like
-    ``noise_std / sqrt(batch_size)``. Each split is a fixed pool of
-    ``num_examples`` samples drawn once from ``seed``, held on device (for the
-    jittable :meth:`sample_batch`) and on the host (for :attr:`datasets`).
+    The noise shifts the loss but not its gradient, so the inner optimizer sees
+    exact gradients while the meta-loss is noisy; that is the reference
+    library's definition. The on-device :meth:`sample_batch` draws ``x`` from
+    its key (a pure function of it, so antithetic members share it); the host
+    :attr:`datasets` are infinite numpy iterators seeded from ``seed`` (split
+    ``i`` of :data:`SPLITS` uses ``seed + i``), where the reference's are
+    unseeded.
     """
 
-    def __init__(
-        self,
-        dim: int = 10,
-        batch_size: int = 8,
-        noise_std: float = 0.5,
-        num_examples: int = 1024,
-        min_scale: float = 0.1,
-        max_scale: float = 10.0,
-        seed: int = 0,
-    ):
-        if not 0 < min_scale <= max_scale:
-            raise ValueError(f"Need 0 < min_scale <= max_scale; got {min_scale}, {max_scale}.")
-        self.dim = dim
-        self.batch_size = batch_size
-        self.noise_std = noise_std
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        rng = np.random.default_rng(seed)
-        pools = {
-            split: (noise_std * rng.standard_normal((num_examples, dim))).astype(np.float32)
-            for split in ("train", "inner_valid", "outer_valid", "test")
-        }
-        self.data = InMemoryDataset(pools)
-        self.datasets: Datasets = self.data.host_datasets(batch_size, seed=seed)
+    def __init__(self, dim: int = 10, seed: int = 0):
+        self.dim = _check_dim(dim)
+        self.datasets: Datasets = Datasets(
+            **{split: _noise_iterator(seed + i) for i, split in enumerate(SPLITS)},
+            abstract_batch=jax.ShapeDtypeStruct((), jnp.float32),
+        )
 
     def sample(self, key: jax.Array) -> jax.Array:
-        return _sample_log_uniform_scale(key, self.dim, self.min_scale, self.max_scale)
+        return _sample_target(key, self.dim)
 
     def task_fn(self, task_params: jax.Array) -> Task:
-        return _NoisyScaledQuadraticTask(self, task_params)
+        return _NoisyTargetQuadraticTask(self, task_params)
 
     def sample_batch(self, key: jax.Array, split: str = "train") -> jax.Array:
-        return self.data.sample_batch(key, self.batch_size, split)
+        if split not in SPLITS:
+            raise ValueError(f"Unknown split {split!r}; expected one of {SPLITS}.")
+        return jax.random.normal(key, (), jnp.float32)

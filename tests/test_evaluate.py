@@ -1,0 +1,207 @@
+"""Meta-testing: the interval and verdict maths, tuning on disjoint tasks, output files, and
+the background evaluation during training."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from popmeta.core.evaluation import training_curves
+from popmeta.evaluate import (
+    BASELINES,
+    LEARNING_RATES,
+    PeriodicEvaluator,
+    compare,
+    evaluate,
+    format_reports,
+    paired_interval,
+    settings_of,
+    t_quantile_975,
+    write_reports,
+)
+from popmeta.experiment import build_task_family, initial_theta
+from popmeta.summaries import Summaries
+from popmeta.train import train
+from tests.events import read_scalars
+from tests.local_run import local_config
+
+
+def test_the_grid_has_four_points_per_decade_over_the_whole_range():
+    assert LEARNING_RATES[0] == pytest.approx(1e-5) and LEARNING_RATES[-1] == pytest.approx(1.0)
+    assert np.allclose(np.diff(np.log10(LEARNING_RATES)), 0.25)
+    assert set(BASELINES) == {"adam", "adam_cosine", "sgdm", "sgd"}
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 7, 10, 15, 31, 63, 500])
+def test_t_quantile_matches_student_t(df):
+    assert t_quantile_975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=5e-4)
+
+
+def test_the_paired_interval_covers_the_true_difference_95_percent_of_the_time():
+    rng = np.random.default_rng(0)
+    n, trials, true_difference = 12, 4000, 0.3
+    # Tasks differ a lot in scale; pairing removes that, only the small noise remains.
+    task_scale = rng.lognormal(0.0, 1.0, (trials, n))
+    baseline = task_scale + rng.normal(0.0, 0.2, (trials, n))
+    learned = task_scale + true_difference + rng.normal(0.0, 0.2, (trials, n))
+    covered = 0
+    for a, b in zip(learned, baseline, strict=True):
+        mean, half_width = paired_interval(a, b)
+        covered += abs(mean - true_difference) <= half_width
+    # Binomial(4000, 0.95) has a standard deviation of 0.0034.
+    assert 0.94 <= covered / trials <= 0.96
+
+
+def _scores(train_losses, accuracy=None):
+    from popmeta.evaluate import TaskScores
+
+    train_losses = np.asarray(train_losses, np.float64)
+    curve = train_losses[:, None]
+    acc = None if accuracy is None else np.asarray(accuracy, np.float64)
+    return TaskScores(train_losses, train_losses, acc, curve, curve)
+
+
+def test_verdicts_come_from_the_interval_and_respect_each_metric_direction():
+    base = np.linspace(1.0, 2.0, 8)
+    noise = np.array([0.01, -0.01, 0.02, -0.02, 0.01, -0.01, 0.0, 0.0])
+    better = compare(_scores(base - 0.5 + noise), _scores(base), "adam")
+    assert {c.verdict for c in better} == {"WIN"} and better[0].difference < 0
+    worse = compare(_scores(base + 0.5 + noise), _scores(base), "adam")
+    assert {c.verdict for c in worse} == {"LOSS"}
+    same = compare(_scores(base + noise), _scores(base), "adam")
+    assert {c.verdict for c in same} == {"TIE"}
+    # Higher accuracy is the win, although the difference is positive.
+    accurate = compare(
+        _scores(base, accuracy=0.9 + noise), _scores(base, accuracy=0.5 + noise[::-1]), "adam"
+    )
+    by_metric = {c.metric: c.verdict for c in accurate}
+    assert by_metric["final_test_accuracy"] == "WIN" and by_metric["mean_train_loss"] == "TIE"
+
+
+def test_a_diverged_task_decides_against_the_side_that_diverged():
+    base = np.linspace(1.0, 2.0, 8)
+    diverged = base.copy()
+    diverged[3] = np.inf
+    assert compare(_scores(diverged), _scores(base), "sgd")[0].verdict == "LOSS"
+    assert compare(_scores(base), _scores(diverged), "sgd")[0].verdict == "WIN"
+
+
+def _eval_config(tmp_path, **eval_section):
+    return local_config(
+        tmp_path,
+        task={"family": "fixed_dim_quadratic_data", "dim": 4},
+        eval={"num_tasks": 6, "num_steps": 12, "long_horizon_factor": 2, **eval_section},
+    )
+
+
+OOD = {"digits": {"family": "image_mlp_digits"}}
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """The trained horizon and an out-of-distribution setting, evaluated once for the module."""
+    # The long horizon is evaluated by the CLI test; two settings keep this one short.
+    tmp_path = tmp_path_factory.mktemp("eval")
+    config = _eval_config(tmp_path, out_of_distribution=OOD, long_horizon_factor=0)
+    progress = io.StringIO()
+    reports = evaluate(config, initial_theta(config), stream=progress)
+    return config, reports, progress.getvalue()
+
+
+def test_baselines_are_tuned_on_other_tasks_and_tested_on_the_learned_ones(evaluated):
+    config, reports, _ = evaluated
+    report = reports[0]
+    assert report.setting.num_steps == 12 and report.num_tasks == 6
+    # Same theta, same test tasks: the untrained and "learned" rows are identical.
+    np.testing.assert_array_equal(
+        report.scores["learned"].train_curve, report.scores["untrained"].train_curve
+    )
+    family = build_task_family(config.task)
+
+    @jax.jit
+    def adam_curves(lr, key):
+        return training_curves(family, BASELINES["adam"](lr, 12), key, 6, 12)
+
+    def mean_train_loss(lr, seed):
+        return np.asarray(adam_curves(lr, jax.random.key(seed)).train_loss).mean()
+
+    tuning = [mean_train_loss(np.float32(lr), config.eval.seed + 1) for lr in LEARNING_RATES]
+    chosen = report.learning_rates["adam"]
+    assert chosen == pytest.approx(LEARNING_RATES[int(np.nanargmin(tuning))])
+    # The reported curve is the test tasks' at that learning rate, not the tuning tasks'.
+    test = adam_curves(np.float32(chosen), jax.random.key(config.eval.seed))
+    np.testing.assert_allclose(
+        report.scores["adam"].train_curve, np.asarray(test.train_loss), rtol=1e-5
+    )
+    assert report.scores["adam"].mean_train_loss.mean() != pytest.approx(
+        mean_train_loss(np.float32(chosen), config.eval.seed + 1)
+    )
+    # An untrained MLP optimizer barely moves: tuned Adam beats it on every metric.
+    assert {c.verdict for c in report.comparisons if c.baseline == "adam"} == {"LOSS"}
+
+
+def test_every_setting_is_reported_and_written(evaluated, tmp_path):
+    _, reports, progress = evaluated
+    assert [
+        (s.name, s.num_steps) for s in settings_of(_eval_config(tmp_path, out_of_distribution=OOD))
+    ] == [
+        ("trained horizon", 12),
+        ("2x horizon", 24),
+        ("digits", 12),
+    ]
+    assert progress.count("\n") == 2 * (2 + len(BASELINES))
+    assert [r.setting.name for r in reports] == ["trained horizon", "digits"]
+    digits = reports[1]
+    # Labels give an accuracy, and its comparison; the quadratics have none.
+    assert digits.scores["adam"].final_test_accuracy is not None
+    assert digits.comparison("adam", "final_test_accuracy") is not None
+    assert reports[0].scores["adam"].final_test_accuracy is None
+    text = format_reports(reports)
+    assert "digits: image_mlp_digits, 12 inner steps, 6 held-out tasks" in text
+    written = write_reports(reports, tmp_path / "eval", "title")
+    assert (tmp_path / "eval" / "curves.png").stat().st_size > 10_000
+    assert written.csv.endswith("results.csv")
+    lines = (tmp_path / "eval" / "results.csv").read_text().splitlines()
+    # Header, then (optimizers x metrics) rows per setting; digits has accuracy too.
+    assert len(lines) == 1 + 6 * 2 + 6 * 3
+    scalars = read_scalars(tmp_path / "eval" / "digits" / "learned")
+    assert [s for s, _ in scalars["eval/test_loss"]] == list(range(12))
+
+
+def test_the_background_evaluation_never_makes_the_learner_wait(tmp_path):
+    config = _eval_config(tmp_path)
+    evaluator = PeriodicEvaluator(config)
+    theta = initial_theta(config)
+    summaries = Summaries(tmp_path / "events")
+    gate = threading.Event()
+    run = evaluator._run
+    # Hold the first evaluation until the second submission has been refused.
+    evaluator._run = lambda t: (gate.wait(60), run(t))[1]
+    assert evaluator.submit(10, theta)
+    assert not evaluator.submit(20, theta) and evaluator.skipped == 1
+    evaluator.write_finished(summaries)  # not finished: nothing written, nothing waited for
+    gate.set()
+    evaluator.close(summaries)
+    summaries.close()
+    scalars = read_scalars(tmp_path / "events")
+    assert [s for s, _ in scalars["eval/mean_train_loss"]] == [10]
+    assert np.isfinite(scalars["eval/final_test_loss"][0][1])
+
+
+def test_a_run_with_eval_every_logs_evaluations_under_eval(tmp_path):
+    config = local_config(
+        tmp_path,
+        name="periodic",
+        train={"num_steps": 12, "checkpoint_every": 100, "summary_every": 4},
+        eval={"every": 4},
+    )
+    result = train(config, stream=io.StringIO())
+    assert result.final_step == 12 and result.evaluation == []
+    steps = [s for s, _ in read_scalars(tmp_path / "periodic")["eval/mean_train_loss"]]
+    # Skipped while one runs, never queued; the last one is waited for at the end.
+    assert steps and set(steps) <= {4, 8, 12} and steps == sorted(steps)

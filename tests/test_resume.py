@@ -1,0 +1,353 @@
+"""Exact resume: a sync run stopped anywhere and resumed ends bitwise equal to one never stopped.
+
+Every run here is real: the training loop with the local engine or real Ray
+actors, real SIGINTs delivered to this process, and one real ``popmeta train``
+subprocess killed with SIGKILL. The runs are stopped by a SIGINT sent during
+the gather of a chosen version, so they end with the checkpoint that Ctrl-C
+writes (and without the final evaluation, which resuming does not touch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from popmeta.actors.worker import EstimatorWorker, exported_state_template
+from popmeta.config import Config, config_to_yaml
+from popmeta.experiment import initial_theta
+from popmeta.learner.checkpoints import (
+    Checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_checkpoint_metadata,
+    save_checkpoint,
+)
+from popmeta.learner.learner import Learner
+from popmeta.population.local import LocalPopulation
+from popmeta.population.ray_population import RayPopulation
+from popmeta.train import train
+from tests.local_run import local_config
+from tests.population import tree_bytes
+
+pytestmark = pytest.mark.timeout(300)
+
+#: Learner steps of every run; stops land on steps that are not multiples of
+#: ``train.checkpoint_every`` (2).
+NUM_STEPS = 5
+#: PES keeps accumulators; trajectories of 10 steps in truncations of 5 end
+#: and restart within the run, so resets cross the stops too.
+PES = {"kind": "pes"}
+
+
+def _config(run_dir: Path, name: str, **sections: dict[str, Any]) -> Config:
+    sections["train"] = {"num_steps": NUM_STEPS, "checkpoint_every": 2, **sections.get("train", {})}
+    sections["estimator"] = {**PES, **sections.get("estimator", {})}
+    return local_config(run_dir, name, **sections)
+
+
+class _Interrupting:
+    """A population that sends this process a real SIGINT while gathering one version.
+
+    The run's SIGINT handler then stops it after that step, as Ctrl-C does.
+    """
+
+    def __init__(self, population: Any, at_version: int):
+        self._population = population
+        self._at_version = at_version
+
+    def gather(self, theta: Any, version: int) -> Any:
+        if version == self._at_version:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self._population.gather(theta, version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._population, name)
+
+
+def _stopping(make: Any, at_version: int) -> Any:
+    return lambda config: _Interrupting(make(config), at_version)
+
+
+def _final(config: Config) -> Checkpoint:
+    """The run's newest checkpoint, learner and worker states."""
+    path = list_checkpoints(Path(config.run_dir) / config.name / "checkpoints")[-1]
+    ranks = read_checkpoint_metadata(path)["worker_ranks"]
+    template = exported_state_template(config)
+    target = {
+        **Learner(config).checkpoint_tree(),
+        "workers": {str(rank): template for rank in ranks},
+    }
+    return load_checkpoint(path, target)
+
+
+def _train(config: Config, factory: Any) -> str:
+    out = io.StringIO()
+    train(config, factory, stream=out)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Checkpoint:
+    """The final checkpoint of a local run of ``NUM_STEPS`` steps, never stopped before."""
+    config = _config(tmp_path_factory.mktemp("reference"), "reference")
+    # Stopped during its last step: the same checkpoint, without the evaluation.
+    _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
+    final = _final(config)
+    assert final.step == NUM_STEPS
+    assert final.metadata["worker_ranks"] == [0, 1]
+    return final
+
+
+def _assert_bitwise_equal(a: Checkpoint, b: Checkpoint) -> None:
+    assert a.step == b.step
+    assert list(a.tree["workers"]) == list(b.tree["workers"]) == ["0", "1"]
+    for section in ("theta", "opt_state", "step", "rng", "workers"):
+        assert tree_bytes(a.tree[section]) == tree_bytes(b.tree[section]), section
+
+
+# ---------------------------------------------------------------------- worker
+
+
+def test_a_worker_continues_bit_for_bit_from_an_exported_state(tmp_path):
+    config = _config(tmp_path, "worker")
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(config))
+    original = EstimatorWorker(config, rank=1)
+    assert original.export_state() is None  # nothing to save before the first estimate
+    original.compute(theta, 0)
+    original.compute(theta, 1)
+    saved = original.export_state()
+    # A repeat of version 1 uses a key of its own: the repeat count is in the state.
+    expected = [original.compute(theta, 1), original.compute(theta, 2)]
+
+    resumed = EstimatorWorker(config, rank=1)
+    resumed.load_state(saved)
+    assert tree_bytes(resumed.export_state()) == tree_bytes(saved)
+    got = [resumed.compute(theta, 1), resumed.compute(theta, 2)]
+    for want, have in zip(expected, got, strict=True):
+        assert tree_bytes(have.grad) == tree_bytes(want.grad)
+        assert (have.mean_loss, have.weight) == (want.mean_loss, want.weight)
+        assert np.array_equal(have.phases, want.phases)
+
+    # Without the state the same calls give other estimates: the state matters.
+    fresh = EstimatorWorker(config, rank=1)
+    assert tree_bytes(fresh.compute(theta, 1).grad) != tree_bytes(expected[0].grad)
+
+
+def test_a_state_that_does_not_fit_is_refused_naming_the_entry(tmp_path):
+    config = _config(tmp_path, "worker")
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(config))
+    worker = EstimatorWorker(config, rank=0)
+    worker.compute(theta, 0)
+    before = worker.export_state()
+    other = _config(tmp_path, "other", estimator={"num_tasks": 4})
+    bigger = EstimatorWorker(other, rank=0)
+    bigger.compute(theta, 0)
+    with pytest.raises(
+        ValueError, match=r"params: expected float32\[2, 2, 3\] .*found float32\[2, 4, 3\]"
+    ):
+        worker.load_state(bigger.export_state())
+    nres = EstimatorWorker(_config(tmp_path, "nres", estimator={"kind": "nres"}), rank=0)
+    nres.compute(theta, 0)
+    with pytest.raises(ValueError, match=r"worker state entry .*\.accumulator.* is missing"):
+        worker.load_state(nres.export_state())
+    assert tree_bytes(worker.export_state()) == tree_bytes(before)  # left as it was
+
+
+def test_a_gather_interrupted_half_way_exports_no_states(tmp_path):
+    population = LocalPopulation(_config(tmp_path, "half"))
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(population.workers[0].config))
+    population.gather(theta, 0)
+    assert sorted(population.export_worker_states()) == [0, 1]
+
+    def interrupted(theta: Any, version: int) -> Any:
+        raise KeyboardInterrupt
+
+    population.workers[1].compute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        population.gather(theta, 1)
+    # Rank 0 is a call ahead of rank 1: no consistent set of states to save.
+    assert population.export_worker_states() == {}
+
+
+def test_readers_of_the_learner_alone_leave_the_optional_workers_section_out(tmp_path):
+    tree = {"theta": np.arange(3.0), "workers": {"0": {"acc": np.ones((2, 3), np.float32)}}}
+    path = save_checkpoint(tmp_path, 1, tree, optional=("workers",))
+    assert set(load_checkpoint(path, {"theta": np.zeros(3)}).tree) == {"theta"}
+    # A reader that asks for the section gets it as strictly as the rest.
+    full = load_checkpoint(path, tree).tree
+    assert np.array_equal(full["workers"]["0"]["acc"], tree["workers"]["0"]["acc"])
+    wrong = {**tree, "workers": {"0": {"acc": np.ones((2, 4), np.float32)}}}
+    with pytest.raises(ValueError, match=r"\['workers'\]\['0'\]\['acc'\]: expected \(2, 4\)"):
+        load_checkpoint(path, wrong)
+    # Only sections saved as optional may be left out.
+    plain = save_checkpoint(tmp_path / "plain", 1, tree)
+    with pytest.raises(ValueError, match=r"has key \['workers'\]\['0'\]\['acc'\] that is not"):
+        load_checkpoint(plain, {"theta": np.zeros(3)})
+    with pytest.raises(ValueError, match="optional sections"):
+        save_checkpoint(tmp_path, 2, tree, optional=("missing",))
+
+
+# ---------------------------------------------------------------------- local engine
+
+
+def test_local_run_stopped_at_a_non_multiple_step_resumes_bitwise(tmp_path, reference):
+    config = _config(tmp_path, "stopped")
+    # SIGINT during the gather of version 2: the run stops after step 3.
+    first = _train(config, _stopping(LocalPopulation, 2))
+    assert "interrupted: saving a checkpoint" in first
+    stopped = _final(config)
+    assert (stopped.step, stopped.metadata["worker_ranks"]) == (3, [0, 1])
+
+    resumed = _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
+    assert "resumed from" in resumed and "ckpt_00000003.npz at step 3" in resumed
+    assert "worker states restored: rank(s) [0, 1]" in resumed
+    _assert_bitwise_equal(_final(config), reference)
+
+
+def test_second_ctrl_c_mid_round_keeps_the_checkpoint_of_the_round_boundary(tmp_path, reference):
+    config = _config(tmp_path, "twice")
+
+    def factory(config: Config) -> LocalPopulation:
+        population = LocalPopulation(config)
+        compute = population.workers[1].compute
+
+        def compute_or_stop(theta: Any, version: int) -> Any:
+            if version == 4:  # after rank 0's call: a second Ctrl-C, straight through
+                raise KeyboardInterrupt
+            return compute(theta, version)
+
+        population.workers[1].compute = compute_or_stop
+        return population
+
+    _train(config, factory)
+    kept = _final(config)
+    # Step 4 was checkpointed at its boundary (checkpoint_every=2), with the
+    # workers; the interrupted round did not overwrite it.
+    assert (kept.step, kept.metadata["worker_ranks"]) == (4, [0, 1])
+    _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
+    _assert_bitwise_equal(_final(config), reference)
+
+
+def test_checkpoints_without_worker_states_still_resume(tmp_path, reference):
+    config = _config(tmp_path, "old")
+    _train(config, _stopping(LocalPopulation, 2))
+    # Rewrite the newest checkpoint as checkpoints were before worker states:
+    # the learner's tree only, no optional section, no worker_ranks.
+    path = list_checkpoints(tmp_path / "old" / "checkpoints")[-1]
+    learner_only = load_checkpoint(path, Learner(config).checkpoint_tree())
+    save_checkpoint(path.parent, learner_only.step, learner_only.tree, metadata={})
+    out = _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
+    assert "at step 3" in out and "worker states restored" not in out
+    final = _final(config)
+    assert final.step == NUM_STEPS
+    # The workers started afresh, so theta went elsewhere: what the states are for.
+    assert tree_bytes(final.tree["theta"]) != tree_bytes(reference.tree["theta"])
+
+
+def test_a_take_over_with_another_estimator_starts_the_workers_afresh(tmp_path):
+    config = _config(tmp_path, "take")
+    _train(config, _stopping(LocalPopulation, 2))
+    path = list_checkpoints(tmp_path / "take" / "checkpoints")[-1]
+    other = _config(tmp_path, "take", estimator={"kind": "nres"})
+    out = io.StringIO()
+    train(other, _stopping(LocalPopulation, 3), stream=out, from_checkpoint=path)
+    text = out.getvalue()
+    assert "do not fit this config" in text and "every worker starts afresh" in text
+    assert _final(other).step == 4
+
+
+# ---------------------------------------------------------------------- Ray engine
+
+
+def _ray_config(run_dir: Path, name: str, **population: Any) -> Config:
+    settings = {"engine": "ray", "num_actors": 2, "call_timeout_s": 60.0, **population}
+    return _config(run_dir, name, population=settings)
+
+
+def test_ray_sync_run_stopped_at_a_non_multiple_step_resumes_bitwise(
+    ray_session, tmp_path, reference
+):
+    config = _ray_config(tmp_path, "ray")
+    _train(config, _stopping(RayPopulation, 2))
+    assert _final(config).step == 3
+    # Fresh actor processes continue from the saved states.
+    resumed = _train(config, _stopping(RayPopulation, NUM_STEPS - 1))
+    assert "worker states restored: rank(s) [0, 1]" in resumed
+    # Sync Ray is bitwise equal to the local engine, so to the local reference.
+    _assert_bitwise_equal(_final(config), reference)
+
+
+def test_ray_async_actors_take_their_saved_states_where_they_fit(ray_session, tmp_path):
+    config = _ray_config(tmp_path, "async", mode="async", batch_size=2, calls_in_flight=2)
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(config))
+    with RayPopulation(config) as population:
+        for version in range(3):
+            population.gather(theta, version)
+        # Calls are still queued: each state is the one they leave behind.
+        saved = population.export_worker_states()
+    assert sorted(saved) == [0, 1]
+    # The actor that answered first in the last gather was given version 2 at once.
+    assert max(int(state["last_version"]) for state in saved.values()) == 2
+
+    wrong = dict(saved[1], key=np.zeros(5, np.uint32))
+    with RayPopulation(config) as population:
+        outcome = population.load_worker_states({0: saved[0], 1: wrong, 7: saved[0]})
+        assert outcome.restored == (0,)
+        assert list(outcome.fresh) == [1] and "['key']: expected uint32[2]" in outcome.fresh[1]
+        assert outcome.unused == (7,)
+        again = population.export_worker_states()
+    assert tree_bytes(again[0]) == tree_bytes(saved[0])
+    assert 1 not in again  # fresh, and it has not computed yet
+
+
+# ---------------------------------------------------------------------- SIGKILL
+
+
+def test_driver_killed_after_a_checkpoint_resumes_bitwise(tmp_path):
+    """A real ``popmeta train`` killed with SIGKILL; the rerun ends like a run never killed."""
+    steps = 200
+    config = local_config(
+        tmp_path,
+        "killed",
+        estimator=PES,
+        train={"num_steps": steps, "checkpoint_every": 3, "log_every": 1000},
+    )
+    config_file = tmp_path / "killed.yaml"
+    config_file.write_text(config_to_yaml(config))
+    command = [sys.executable, "-m", "popmeta.cli", "train", str(config_file)]
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    with subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as driver:
+        deadline = time.monotonic() + 180
+        while not list_checkpoints(checkpoints) and driver.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.02)
+        driver.send_signal(signal.SIGKILL)
+        driver.communicate(timeout=60)
+    assert driver.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    killed_at = list_checkpoints(checkpoints)[-1]
+    assert read_checkpoint_metadata(killed_at)["step"] < steps
+
+    rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"resumed from {killed_at}" in rerun.stdout
+    assert "worker states restored: rank(s) [0, 1]" in rerun.stdout
+
+    never_killed = dataclasses.replace(config, name="never")
+    _train(never_killed, _stopping(LocalPopulation, steps - 1))
+    a, b = _final(config), _final(never_killed)
+    assert a.step == b.step == steps
+    for section in ("theta", "opt_state", "rng", "workers"):
+        assert tree_bytes(a.tree[section]) == tree_bytes(b.tree[section]), section
