@@ -24,6 +24,7 @@ from popmeta.core.learned_optimizers import (
     MLPLOptState,
 )
 from popmeta.core.lopt_truncated_step import VectorizedLOptTruncatedStep
+from popmeta.core.mixture_truncated_step import MixtureTruncatedStep
 from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, OptaxState, Optimizer
 from popmeta.core.tasks import (
     FixedDimQuadraticFamily,
@@ -76,6 +77,7 @@ __all__ = [
     "LogUniformLengthSchedule",
     "MLPLOpt",
     "MLPLOptState",
+    "MixtureTruncatedStep",
     "NeverEndingTruncationSchedule",
     "NoiseReuseES",
     "OptaxOptimizer",

@@ -8,11 +8,14 @@ all three, so each of them imports it without reaching into another.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+
+from popmeta.core.estimators import FAMILY_LOSS_METRIC
 
 __all__ = ["Aggregate", "Estimate", "aggregate", "is_finite_estimate"]
 
@@ -42,11 +45,25 @@ class Estimate(NamedTuple):
 
 
 class Aggregate(NamedTuple):
-    grad: Any  # None when no estimate was usable
+    """The combined estimate of one learner step.
+
+    Attributes:
+      grad: weighted mean gradient; None when no estimate was usable.
+      mean_loss: weighted mean meta-loss.
+      num_used: estimates behind it.
+      num_rejected_nonfinite: non-finite estimates left out.
+      total_weight: sum of the used estimates' weights.
+      family_losses: per task family of a mixture, the weighted mean of the
+        estimates' ``meta_loss_by_family/<family>`` metrics (empty when no
+        estimate reports any, i.e. a run on a single family).
+    """
+
+    grad: Any
     mean_loss: float
     num_used: int
     num_rejected_nonfinite: int
     total_weight: float
+    family_losses: Mapping[str, float] = MappingProxyType({})
 
 
 def is_finite_estimate(estimate: Estimate) -> bool:
@@ -73,4 +90,10 @@ def aggregate(estimates: Sequence[Estimate]) -> Aggregate:
         *[e.grad for e in usable],
     )
     mean_loss = float(sum(w * e.mean_loss for w, e in zip(weights, usable, strict=True)))
-    return Aggregate(grad, mean_loss, len(usable), rejected, total)
+    family_losses: dict[str, float] = {}
+    for w, e in zip(weights, usable, strict=True):
+        for name, value in e.metrics.items():
+            if name.startswith(FAMILY_LOSS_METRIC):
+                family = name[len(FAMILY_LOSS_METRIC) :]
+                family_losses[family] = family_losses.get(family, 0.0) + float(w * value)
+    return Aggregate(grad, mean_loss, len(usable), rejected, total, MappingProxyType(family_losses))

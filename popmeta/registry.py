@@ -42,10 +42,14 @@ from popmeta.core.learned_optimizers import (
     MLPLOpt,
 )
 from popmeta.core.tasks import (
+    Conv_Digits8,
     FixedDimQuadraticFamily,
     FixedDimQuadraticFamilyData,
+    ImageMLP_Digits4_Relu32,
     ImageMLP_Digits8_Relu32,
+    ImageMLP_Digits16_Relu32,
     ImageMLP_Npz8_Relu32,
+    ParametricImageMLP_Digits8,
     QuadraticTask,
     TaskFamily,
     single_task_to_family,
@@ -59,6 +63,7 @@ from popmeta.core.truncation import (
 )
 
 __all__ = [
+    "DATA_FREE_TASK_FAMILIES",
     "ESTIMATORS",
     "LEARNED_OPTIMIZERS",
     "OUTER_OPTIMIZERS",
@@ -142,6 +147,10 @@ TASK_FAMILIES: Registry[TaskFamily] = Registry(
 )
 
 
+#: Task families without data: they have no ``outer_valid`` split to take a meta-loss on.
+DATA_FREE_TASK_FAMILIES: frozenset[str] = frozenset({"quadratic", "fixed_dim_quadratic"})
+
+
 @TASK_FAMILIES.register("quadratic", "`sum(p**2)` in `task.dim` dimensions from a random start")
 def _quadratic(cfg: Any) -> TaskFamily:
     return single_task_to_family(QuadraticTask(cfg.dim))
@@ -169,6 +178,40 @@ def _fixed_dim_quadratic_data(cfg: Any) -> TaskFamily:
 def _image_mlp_digits(cfg: Any) -> TaskFamily:
     del cfg
     return single_task_to_family(ImageMLP_Digits8_Relu32())
+
+
+@TASK_FAMILIES.register(
+    "image_mlp_digits4", "a 16-32-10 ReLU MLP on the bundled digits shrunk to 4x4 (2x2 means)"
+)
+def _image_mlp_digits4(cfg: Any) -> TaskFamily:
+    del cfg
+    return single_task_to_family(ImageMLP_Digits4_Relu32())
+
+
+@TASK_FAMILIES.register(
+    "image_mlp_digits16", "a 256-32-10 ReLU MLP on the bundled digits enlarged to 16x16"
+)
+def _image_mlp_digits16(cfg: Any) -> TaskFamily:
+    del cfg
+    return single_task_to_family(ImageMLP_Digits16_Relu32())
+
+
+@TASK_FAMILIES.register(
+    "conv_digits", "two 3x3 ReLU convolutions (8 channels) and a dense layer on the 8x8 digits"
+)
+def _conv_digits(cfg: Any) -> TaskFamily:
+    del cfg
+    return single_task_to_family(Conv_Digits8())
+
+
+@TASK_FAMILIES.register(
+    "parametric_image_mlp_digits",
+    "MLPs on the 8x8 digits with sampled width, depth, activation and batch size: "
+    "`task.parametric_groups` architectures drawn from the run's seed, one task group each",
+)
+def _parametric_image_mlp_digits(cfg: Any) -> TaskFamily:
+    del cfg
+    return ParametricImageMLP_Digits8()
 
 
 @TASK_FAMILIES.register(

@@ -186,6 +186,7 @@ class RoundStats:
         self._window_start = time.perf_counter()
         self._num_estimates = 0
         self._losses: list[float] = []
+        self._family_losses: dict[str, list[float]] = defaultdict(list)
         self._staleness: list[int] = []
         self._update_times: list[float] = []
         self._norms: dict[str, list[float]] = defaultdict(list)
@@ -207,6 +208,8 @@ class RoundStats:
         self.rejected_nonfinite += agg.num_rejected_nonfinite
         if agg.grad is not None:
             self._losses.append(agg.mean_loss)
+            for family, loss in agg.family_losses.items():
+                self._family_losses[family].append(loss)
         for estimate in gathered.estimates:
             self._actor_time[estimate.worker] += estimate.metrics.get("compute_time_s", 0.0)
             self._actor_count[estimate.worker] += 1
@@ -224,7 +227,6 @@ class RoundStats:
         meta_loss = np.mean(self._losses) if self._losses else float("nan")
         values = {
             "meta_loss": meta_loss,
-            f"meta_loss_by_family/{self.task_family}": meta_loss,
             "learner_update_time": np.mean(self._update_times) if self._update_times else 0.0,
             "estimates_per_s": self.last_estimates_per_s,
             "inner_steps_per_s": self.last_estimates_per_s * self.steps_per_estimate,
@@ -236,6 +238,10 @@ class RoundStats:
             "actor_restarts": self.restarts,
             "live_actors": live_actors,
         }
+        # A mixture's estimates carry each family's loss; a single family's is the meta-loss.
+        by_family = {f: np.mean(losses) for f, losses in self._family_losses.items()}
+        for family, loss in (by_family or {self.task_family: meta_loss}).items():
+            values[f"meta_loss_by_family/{family}"] = loss
         names = {"param_norm": "theta_norm"}
         for name, series in self._norms.items():
             values[names.get(name, name)] = np.mean(series)

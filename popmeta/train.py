@@ -10,6 +10,7 @@ event files are closed, then the population and finally Ray are shut down.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import math
@@ -297,11 +298,14 @@ def _check_task_data(config: Config) -> None:
     for name, task in config.eval.out_of_distribution.items():
         tasks[f"eval.out_of_distribution.{name}"] = task
     for prefix, task in tasks.items():
-        try:
-            build_task_family(task)
-        except (OSError, ValueError) as err:
-            field = "npz_path" if task.npz_path is not None else "family"
-            raise ConfigError(f"{prefix}.{field}: {err}") from None
+        for field, family in task.named_families():
+            try:
+                build_task_family(dataclasses.replace(task, family=family, families={}))
+            except (OSError, ValueError) as err:
+                # named_families() names fields of the training task section.
+                field = "task.npz_path" if task.npz_path is not None else field
+                where = prefix + field.removeprefix("task")
+                raise ConfigError(f"{where}: {err}") from None
 
 
 def _restore(

@@ -193,27 +193,21 @@ def test_eval_refuses_to_change_what_was_trained(trained, capsys):
     assert "only eval.* fields can change" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_closes_the_run(tmp_path, signum):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "popmeta.cli",
-            "train",
-            *SMALL,
-            "--set",
-            "name=stop",
-            "--set",
-            "train.num_steps=100000",
-            "--set",
-            "train.log_every=1",
-        ],
+def _endless_run(tmp_path, name: str) -> subprocess.Popen:
+    """A real ``popmeta train`` that runs until stopped, logging every step to stderr."""
+    args = [*SMALL, "--set", f"name={name}", "--set", "train.num_steps=100000"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "popmeta.cli", "train", *args, "--set", "train.log_every=1"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_closes_the_run(tmp_path, signum):
+    proc = _endless_run(tmp_path, "stop")
     try:
         deadline = time.time() + 120
         for line in proc.stderr:
@@ -256,25 +250,7 @@ def _descendants(pid: int) -> list[tuple[int, str]]:
 
 
 def test_an_actor_death_is_reported_in_popmeta_words_only(tmp_path):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "popmeta.cli",
-            "train",
-            *SMALL,
-            "--set",
-            "name=death",
-            "--set",
-            "train.num_steps=100000",
-            "--set",
-            "train.log_every=1",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _endless_run(tmp_path, "death")
     seen = []
     try:
         deadline = time.time() + 120

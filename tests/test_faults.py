@@ -20,6 +20,7 @@ import fnmatch
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -436,6 +437,42 @@ def test_a_data_file_without_the_expected_arrays_is_refused_before_anything_star
         raise AssertionError("no population may start")
 
     with pytest.raises(ConfigError, match=r"task\.npz_path: .*digits\.npz: key 'images' has"):
+        train(config, never, stream=io.StringIO())
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "sections, field",
+    [
+        (
+            {
+                "task": {
+                    "family": "image_mlp_digits",
+                    "families": {"image_mlp_digits": 1.0, "image_mlp_npz": 1.0},
+                }
+            },
+            "task.npz_path",
+        ),
+        (
+            {"eval": {"out_of_distribution": {"mine": {"family": "image_mlp_npz"}}}},
+            "eval.out_of_distribution.mine.npz_path",
+        ),
+    ],
+    ids=["mixture member", "evaluation setting"],
+)
+def test_every_data_file_the_config_names_is_checked_before_anything_starts(
+    tmp_path, sections, field
+):
+    missing = str(tmp_path / "missing.npz")
+    for section in sections.values():
+        target = section if "family" in section else section["out_of_distribution"]["mine"]
+        target["npz_path"] = missing
+    config = local_config(tmp_path / "runs", **sections)
+
+    def never(config):
+        raise AssertionError("no population may start")
+
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)}: .*missing\.npz"):
         train(config, never, stream=io.StringIO())
     assert not (tmp_path / "runs").exists()
 

@@ -34,6 +34,7 @@ from popmeta.experiment import (
 )
 from popmeta.learner.train_state import make_outer_optimizer
 from popmeta.registry import (
+    DATA_FREE_TASK_FAMILIES,
     ESTIMATORS,
     LEARNED_OPTIMIZERS,
     OUTER_OPTIMIZERS,
@@ -103,6 +104,15 @@ def test_every_task_family_builds_and_samples_a_task(tmp_path):
         task = family.task_fn(family.sample(jax.random.key(0)))
         params = task.init(jax.random.key(1))
         assert jax.tree_util.tree_leaves(params), name
+
+
+def test_data_free_families_are_exactly_those_without_data(tmp_path):
+    npz_path = _npz(tmp_path)
+    for name in TASK_FAMILIES.names:
+        family = build_task_family(
+            TaskConfig(family=name, dim=3, npz_path=npz_path if name == "image_mlp_npz" else None)
+        )
+        assert (family.datasets is None) == (name in DATA_FREE_TASK_FAMILIES), name
 
 
 def test_every_learned_optimizer_and_schedule_builds():

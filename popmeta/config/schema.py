@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from popmeta.registry import (
+    DATA_FREE_TASK_FAMILIES,
     ESTIMATORS,
     LEARNED_OPTIMIZERS,
     OUTER_OPTIMIZERS,
@@ -80,22 +81,52 @@ class TaskConfig:
       dim: problem dimension of the quadratic families.
       npz_path: ``.npz`` file with ``images`` / ``labels``; required for
         ``image_mlp_npz`` and refused for every other family.
+      families: a mixture to train on, ``{family: weight}``: each actor splits
+        its ``estimator.num_tasks`` slots among the families in proportion to
+        the weights (at least one slot each), so one actor trains on every
+        family at once, and TensorBoard shows ``meta_loss_by_family/<family>``
+        for each. Empty: train on ``family`` alone. When set, ``family`` must
+        be one of them: it is the family meta-testing (``eval``) runs on.
+      parametric_groups: architectures a parametric family
+        (``parametric_image_mlp_digits``) trains at once, drawn from the run's
+        ``seed``; each is a group of task slots with its own compile.
     """
 
     family: TaskFamilyName = "fixed_dim_quadratic_data"
     dim: int = 10
     npz_path: str | None = None
+    families: dict[str, float] = dataclasses.field(default_factory=dict)
+    parametric_groups: int = 3
 
     def _problems(self) -> Iterator[_Problem]:
-        yield from _positive(self, "dim")
-        if self.family == "image_mlp_npz" and not self.npz_path:
-            yield "npz_path", "is required when task.family is 'image_mlp_npz'"
-        if self.family != "image_mlp_npz" and self.npz_path is not None:
+        yield from _positive(self, "dim", "parametric_groups")
+        for name, weight in self.families.items():
+            if name not in TASK_FAMILIES:
+                choices = ", ".join(repr(n) for n in TASK_FAMILIES.names)
+                yield f"families.{name}", f"unknown task family; expected one of {choices}"
+            elif not weight > 0:
+                yield f"families.{name}", f"weight must be > 0, got {weight!r}"
+        if self.families and self.family not in self.families:
+            yield (
+                "family",
+                "with task.families set, task.family names the family that meta-testing "
+                f"(eval) runs on and must be one of {sorted(self.families)}; got {self.family!r}",
+            )
+        trained = [family for _, family in self.named_families()]
+        if "image_mlp_npz" in trained and not self.npz_path:
+            yield "npz_path", "is required when task.family or task.families has 'image_mlp_npz'"
+        if "image_mlp_npz" not in trained and self.npz_path is not None:
             yield (
                 "npz_path",
-                f"only task.family 'image_mlp_npz' reads it, and task.family is "
-                f"{self.family!r}; remove task.npz_path",
+                f"only the task family 'image_mlp_npz' reads it, and the task trains on "
+                f"{', '.join(repr(f) for f in trained)}; remove task.npz_path",
             )
+
+    def named_families(self) -> list[tuple[str, str]]:
+        """``(field, family)`` for every family this section trains on."""
+        if self.families:
+            return [(f"task.families.{name}", name) for name in self.families]
+        return [("task.family", self.family)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +202,12 @@ class EstimatorConfig:
         jitted call and averaged by their weights into one estimate; amortises
         the per-call cost (a Ray round trip) when a truncation takes about a
         millisecond. Throughput counts scale with it.
+      meta_loss_split: ``train``: the per-step meta-loss is the normalized
+        training loss before the inner update (the reference's default);
+        ``outer_valid``: the updated parameters' normalized loss on a batch of
+        the held-out outer-validation split (the reference's ``outer_valid``),
+        which rewards generalisation rather than fitting the training batch.
+        Data-free task families have no such split and refuse it.
     """
 
     kind: EstimatorName = "pes"
@@ -181,6 +218,7 @@ class EstimatorConfig:
     num_tasks: int = 16
     random_initial_iteration_offset: int = 100
     truncations_per_call: int = 1
+    meta_loss_split: Literal["train", "outer_valid"] = "train"
 
     def _problems(self) -> Iterator[_Problem]:
         yield from _positive(
@@ -346,6 +384,11 @@ class EvalConfig:
         for name, task in self.out_of_distribution.items():
             for field, message in task._problems():
                 yield f"out_of_distribution.{name}.{field}", message
+            if task.families:
+                yield (
+                    f"out_of_distribution.{name}.families",
+                    "meta-testing runs on one family (its task.family); remove families",
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +469,22 @@ class Config:
                         f"estimator.{name}",
                         "only the antithetic estimators use it, and estimator.kind is "
                         "'truncated_grad'; remove it",
+                    )
+        if len(self.task.families) > est.num_tasks:
+            yield (
+                "task.families",
+                f"{len(self.task.families)} families need at least one task slot each, and "
+                f"estimator.num_tasks is {est.num_tasks}; raise estimator.num_tasks or name "
+                "fewer families",
+            )
+        if est.meta_loss_split == "outer_valid":
+            for field, family in self.task.named_families():
+                if family in DATA_FREE_TASK_FAMILIES:
+                    yield (
+                        "estimator.meta_loss_split",
+                        f"'outer_valid' evaluates on held-out data, and {field} {family!r} is "
+                        "data-free (no outer_valid split); use meta_loss_split: train or a "
+                        "family with data",
                     )
         defaults = PopulationConfig()
         if pop.engine == "local":

@@ -141,9 +141,7 @@ def test_cli_joins_a_running_cluster_and_leaves_it_running(nodes, tmp_path, how)
         "--set",
         "estimator.trunc_length=5",
         "--set",
-        "eval.num_tasks=2",
-        "--set",
-        "eval.num_steps=5",
+        "eval.after_training=false",
         "--set",
         "train.num_steps=5",
         "--set",
@@ -168,7 +166,7 @@ def test_cli_joins_a_running_cluster_and_leaves_it_running(nodes, tmp_path, how)
         args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0, result.stderr
-    assert "step 5/5" in result.stderr and "lower mean training loss" in result.stdout
+    assert "step 5/5" in result.stderr and "(step 5)" in result.stdout
     assert sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]) == alive_before
 
 

@@ -1,7 +1,7 @@
 """Gradient estimators of the meta-loss with respect to theta, and the runners that call them."""
 
 from popmeta.core.estimators.antithetic import AntitheticEstimator
-from popmeta.core.estimators.base import GradientEstimator
+from popmeta.core.estimators.base import FAMILY_LOSS_METRIC, GradientEstimator
 from popmeta.core.estimators.es import FullES, TruncatedES
 from popmeta.core.estimators.nres import NoiseReuseES
 from popmeta.core.estimators.pes import TruncatedPES
@@ -18,6 +18,7 @@ from popmeta.core.estimators.truncated_grad import TruncatedGrad
 from popmeta.core.estimators.truncations import truncation_keys
 
 __all__ = [
+    "FAMILY_LOSS_METRIC",
     "TASK_AXIS",
     "AntitheticEstimator",
     "EstimateRunner",

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from popmeta.core.estimators.base import GradientEstimator, task_mean
+from popmeta.core.estimators.base import GradientEstimator, family_loss_metrics, task_mean
 from popmeta.core.estimators.protocol import EstimatorOut
 from popmeta.core.tree_utils import select_tasks
 from popmeta.core.truncated_step import TruncatedStep
@@ -99,6 +99,7 @@ class AntitheticEstimator(GradientEstimator):
             lambda g: g / (2 * self.std**2), weighted_task_mean(per_task_grad, deltas.valid)
         )
         metrics = es_metrics(deltas, unrolled)
+        metrics |= family_loss_metrics(self.truncated_step, deltas.mean_loss, deltas.valid)
         return EstimatorOut(grad, metrics["mean_loss"], deltas.valid.sum(), new_state), metrics
 
 

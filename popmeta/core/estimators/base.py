@@ -32,7 +32,10 @@ from popmeta.core.estimators.truncations import (
 )
 from popmeta.core.truncated_step import TruncatedStep
 
-__all__ = ["GradientEstimator", "task_mean"]
+__all__ = ["FAMILY_LOSS_METRIC", "GradientEstimator", "family_loss_metrics", "task_mean"]
+
+#: Prefix of the per-family meta-loss metrics: ``meta_loss_by_family/<family>``.
+FAMILY_LOSS_METRIC = "meta_loss_by_family/"
 
 PyTree = Any
 
@@ -180,3 +183,27 @@ def _axes_like(tree: Any, axis: int) -> Any:
 def task_mean(x: jax.Array, valid: jax.Array) -> jax.Array:
     """Mean of per-task ``x`` over the ``valid`` tasks (0 when none is valid)."""
     return (x * valid).sum() / jnp.maximum(valid.sum(), 1)
+
+
+def family_loss_metrics(
+    truncated_step: TruncatedStep, per_task_loss: jax.Array, valid: jax.Array
+) -> dict[str, jax.Array]:
+    """Mean loss of each family's valid tasks, for a step that mixes task families.
+
+    A step mixes families when it has ``family_names`` and ``family_of_task``
+    (each slot's index into ``family_names``), as
+    :class:`~popmeta.core.mixture_truncated_step.MixtureTruncatedStep` does;
+    other steps give no such metrics. A family none of whose tasks is valid
+    reads 0 for that truncation.
+
+    Returns:
+      ``{FAMILY_LOSS_METRIC + name: mean loss}`` per family, or ``{}``.
+    """
+    names = getattr(truncated_step, "family_names", None)
+    if not names:
+        return {}
+    family = jnp.asarray(truncated_step.family_of_task)
+    return {
+        f"{FAMILY_LOSS_METRIC}{name}": task_mean(per_task_loss, valid & (family == i))
+        for i, name in enumerate(names)
+    }

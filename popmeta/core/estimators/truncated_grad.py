@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from popmeta.core.estimators.base import GradientEstimator, task_mean
+from popmeta.core.estimators.base import GradientEstimator, family_loss_metrics, task_mean
 from popmeta.core.estimators.protocol import EstimatorOut
 from popmeta.core.truncated_step import TruncatedStep
 
@@ -59,12 +59,13 @@ class TruncatedGrad(GradientEstimator):
             count = mask.sum(axis=0)
             per_task_loss = (losses * mask).sum(axis=0) / jnp.maximum(count, 1.0)
             valid = count > 0
-            return task_mean(per_task_loss, valid), (end, valid, is_done)
+            return task_mean(per_task_loss, valid), (end, valid, is_done, per_task_loss)
 
-        (mean_loss, (end, valid, is_done)), grad = jax.value_and_grad(
+        (mean_loss, (end, valid, is_done, per_task_loss)), grad = jax.value_and_grad(
             truncation_loss, has_aux=True
         )(theta)
         metrics = {"mean_loss": mean_loss, "num_done": is_done.sum(), "valid_tasks": valid.sum()}
+        metrics |= family_loss_metrics(self.truncated_step, per_task_loss, valid)
         return (
             EstimatorOut(grad, mean_loss, valid.sum(), TruncatedGradWorkerState(end)),
             metrics,

@@ -276,6 +276,39 @@ def load_digits_8x8() -> tuple[np.ndarray, np.ndarray]:
     return images, np.asarray(digits.target, np.int32)
 
 
+def resample_images(images: np.ndarray, size: int) -> np.ndarray:
+    """Resamples square images ``[N, H, W, C]`` to ``[N, size, size, C]`` on the host.
+
+    Shrinking by a whole factor ``k`` averages each ``k x k`` block (8x8 -> 4x4
+    is the mean of each 2x2 block), so no pixel is dropped; any other size is
+    bilinear interpolation with antialiasing (``jax.image.resize``), which for
+    enlarging (8x8 -> 16x16) interpolates between neighbouring pixels. Runs
+    once, when a task is built.
+
+    Args:
+      images: float images with a leading example axis.
+      size: side of the output images.
+
+    Returns:
+      float32 numpy images.
+
+    Raises:
+      ValueError: if ``size`` is not a positive integer.
+    """
+    if isinstance(size, bool) or int(size) != size or size < 1:
+        raise ValueError(f"size must be a positive integer; got {size!r}.")
+    size = int(size)
+    n, height, width, channels = images.shape
+    images = np.asarray(images, np.float32)
+    if height == width and height % size == 0:
+        k = height // size
+        return images.reshape(n, size, k, size, k, channels).mean(axis=(2, 4))
+    resized = jax.image.resize(
+        jnp.asarray(images), (n, size, size, channels), method="linear", antialias=True
+    )
+    return np.asarray(resized, np.float32)
+
+
 NPZ_IMAGES_KEY = "images"
 NPZ_LABELS_KEY = "labels"
 

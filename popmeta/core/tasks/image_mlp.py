@@ -12,8 +12,9 @@ to that upper bound. Its parameters are
 The datasets are popmeta's, and so are the task names: the reference's 8x8
 tasks read TFDS datasets (Fashion-MNIST, MNIST, CIFAR-10) resized to 8x8,
 which need downloads; ``ImageMLP_Digits8_Relu32`` uses scikit-learn's bundled
-8x8 digits and ``ImageMLP_Npz8_Relu32`` a local ``.npz``, both small enough to
-live on device, so batches are sampled inside jit.
+8x8 digits (``ImageMLP_Digits4_Relu32`` / ``ImageMLP_Digits16_Relu32`` the
+same digits resampled to 4x4 / 16x16) and ``ImageMLP_Npz8_Relu32`` a local
+``.npz``, all small enough to live on device, so batches are sampled inside jit.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ from popmeta.core.tasks.datasets import (
     InMemoryDataset,
     load_digits_8x8,
     load_npz_images_8x8,
+    resample_images,
     split_arrays,
 )
 
 __all__ = [
     "ImageMLPTask",
+    "ImageMLP_Digits4_Relu32",
     "ImageMLP_Digits8_Relu32",
+    "ImageMLP_Digits16_Relu32",
     "ImageMLP_Npz8_Relu32",
 ]
 
@@ -172,6 +176,42 @@ def ImageMLP_Digits8_Relu32(batch_size: int = 128, seed: int = 0) -> ImageMLPTas
     return ImageMLPTask.from_arrays(
         images, labels, hidden_sizes=(32,), batch_size=batch_size, num_classes=10, seed=seed
     )
+
+
+def _digits_mlp(size: int, batch_size: int, seed: int) -> ImageMLPTask:
+    images, labels = load_digits_8x8()
+    return ImageMLPTask.from_arrays(
+        resample_images(images, size),
+        labels,
+        hidden_sizes=(32,),
+        batch_size=batch_size,
+        num_classes=10,
+        seed=seed,
+    )
+
+
+def ImageMLP_Digits4_Relu32(batch_size: int = 128, seed: int = 0) -> ImageMLPTask:
+    """16 -> 32 -> 10 relu MLP on the bundled digits shrunk to 4x4 (2x2 block means).
+
+    Same examples and fixed 70/10/10/10 split as :func:`ImageMLP_Digits8_Relu32`.
+
+    Args:
+      batch_size: Examples per batch.
+      seed: Seed of the host iterators' shuffling (the split is always fixed).
+    """
+    return _digits_mlp(4, batch_size, seed)
+
+
+def ImageMLP_Digits16_Relu32(batch_size: int = 128, seed: int = 0) -> ImageMLPTask:
+    """256 -> 32 -> 10 relu MLP on the bundled digits enlarged to 16x16 (bilinear).
+
+    Same examples and fixed 70/10/10/10 split as :func:`ImageMLP_Digits8_Relu32`.
+
+    Args:
+      batch_size: Examples per batch.
+      seed: Seed of the host iterators' shuffling (the split is always fixed).
+    """
+    return _digits_mlp(16, batch_size, seed)
 
 
 def ImageMLP_Npz8_Relu32(
