@@ -27,6 +27,7 @@ from popmeta.core.lopt_truncated_step import VectorizedLOptTruncatedStep
 from popmeta.core.mixture_truncated_step import MixtureTruncatedStep
 from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, OptaxState, Optimizer
 from popmeta.core.tasks import (
+    CurvedQuadraticFamily,
     FixedDimQuadraticFamily,
     FixedDimQuadraticFamilyData,
     ImageMLP_Digits8_Relu32,
@@ -61,6 +62,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConstantTruncationSchedule",
+    "CurvedQuadraticFamily",
     "EstimateRunner",
     "EstimatorOut",
     "FixedDimQuadraticFamily",

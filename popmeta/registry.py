@@ -43,6 +43,7 @@ from popmeta.core.learned_optimizers import (
 )
 from popmeta.core.tasks import (
     Conv_Digits8,
+    CurvedQuadraticFamily,
     FixedDimQuadraticFamily,
     FixedDimQuadraticFamilyData,
     ImageMLP_Digits4_Relu32,
@@ -148,7 +149,9 @@ TASK_FAMILIES: Registry[TaskFamily] = Registry(
 
 
 #: Task families without data: they have no ``outer_valid`` split to take a meta-loss on.
-DATA_FREE_TASK_FAMILIES: frozenset[str] = frozenset({"quadratic", "fixed_dim_quadratic"})
+DATA_FREE_TASK_FAMILIES: frozenset[str] = frozenset(
+    {"quadratic", "fixed_dim_quadratic", "curved_quadratic"}
+)
 
 
 @TASK_FAMILIES.register("quadratic", "`sum(p**2)` in `task.dim` dimensions from a random start")
@@ -162,6 +165,15 @@ def _quadratic(cfg: Any) -> TaskFamily:
 )
 def _fixed_dim_quadratic(cfg: Any) -> TaskFamily:
     return FixedDimQuadraticFamily(cfg.dim)
+
+
+@TASK_FAMILIES.register(
+    "curved_quadratic",
+    "popmeta's own: `0.5 * sum(s * (p - t)**2)`, target `t ~ N(0, I)` and per-coordinate "
+    "curvature `s ~ LogUniform(0.1, 10)` sampled per task (the quickstart's family)",
+)
+def _curved_quadratic(cfg: Any) -> TaskFamily:
+    return CurvedQuadraticFamily(cfg.dim)
 
 
 @TASK_FAMILIES.register(

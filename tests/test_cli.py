@@ -105,7 +105,7 @@ def test_train_writes_the_full_tensorboard_tag_set(trained):
     scalars, histograms = read_events(run_dir)
     tags = [
         "meta_loss",
-        "meta_loss_by_family/fixed_dim_quadratic_data",
+        "meta_loss_by_family/curved_quadratic",
         "grad_norm",
         "update_norm",
         "theta_norm",

@@ -31,7 +31,7 @@ def test_defaults():
     cfg = load_config(None)
     assert cfg == Config()
     assert cfg.name == "quickstart" and cfg.seed == 0 and cfg.run_dir == "runs"
-    assert cfg.task.family == "fixed_dim_quadratic_data" and cfg.task.npz_path is None
+    assert cfg.task.family == "curved_quadratic" and cfg.task.npz_path is None
     assert cfg.learned_optimizer.kind == "mlp" and cfg.learned_optimizer.hidden_size == 32
     assert cfg.truncation.schedule == "constant" and cfg.truncation.length == 100
     assert cfg.estimator.kind == "pes" and cfg.estimator.std == 0.01

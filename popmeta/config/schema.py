@@ -92,7 +92,7 @@ class TaskConfig:
         ``seed``; each is a group of task slots with its own compile.
     """
 
-    family: TaskFamilyName = "fixed_dim_quadratic_data"
+    family: TaskFamilyName = "curved_quadratic"
     dim: int = 10
     npz_path: str | None = None
     families: dict[str, float] = dataclasses.field(default_factory=dict)

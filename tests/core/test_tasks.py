@@ -10,6 +10,7 @@ import pytest
 from popmeta.core.optimizers import Adam
 from popmeta.core.tasks import (
     SPLITS,
+    CurvedQuadraticFamily,
     Datasets,
     FixedDimQuadraticFamily,
     FixedDimQuadraticFamilyData,
@@ -312,3 +313,26 @@ def test_custom_task_defaults():
     task = Custom()
     assert task.datasets is None and task.sample_batch(jax.random.PRNGKey(0)) is None
     assert task.name == "Custom"
+
+
+def test_curved_quadratics_have_sampled_targets_and_per_coordinate_curvatures():
+    family = CurvedQuadraticFamily(dim=6)
+    targets, log_curvatures = jax.vmap(family.sample)(jax.random.split(jax.random.key(0), 500))
+    curvatures = np.exp(np.asarray(log_curvatures))
+    assert curvatures.min() >= 0.1 - 1e-6 and curvatures.max() <= 10.0 + 1e-5
+    # Log-uniform: half of the mass below the geometric middle, 1.
+    assert abs(np.mean(curvatures < 1.0) - 0.5) < 0.03
+    assert abs(float(np.mean(targets))) < 0.05 and abs(float(np.std(targets)) - 1.0) < 0.05
+    task = family.task_fn(family.sample(jax.random.key(1)))
+    target, log_curvature = family.sample(jax.random.key(1))
+    # The optimum is the sampled target, not the origin; the gradient is s * (p - t).
+    assert float(task.loss(target, jax.random.key(2), None)) == 0.0
+    assert float(task.loss(jnp.zeros(6), jax.random.key(2), None)) > 0.0
+    p = task.init(jax.random.key(3))
+    np.testing.assert_allclose(
+        jax.grad(task.loss)(p, jax.random.key(2), None),
+        np.exp(log_curvature) * (p - target),
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match="min_curvature"):
+        CurvedQuadraticFamily(dim=3, min_curvature=2.0, max_curvature=1.0)

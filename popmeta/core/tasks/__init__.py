@@ -31,6 +31,7 @@ from popmeta.core.tasks.parametric import (
     ParametricImageMLPFamily,
 )
 from popmeta.core.tasks.quadratics import (
+    CurvedQuadraticFamily,
     FixedDimQuadraticFamily,
     FixedDimQuadraticFamilyData,
     QuadraticTask,
@@ -41,6 +42,7 @@ __all__ = [
     "SPLITS",
     "ArrayDataset",
     "Conv_Digits8",
+    "CurvedQuadraticFamily",
     "Datasets",
     "FixedDimQuadraticFamily",
     "FixedDimQuadraticFamilyData",

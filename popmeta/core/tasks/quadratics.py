@@ -26,6 +26,7 @@ from popmeta.core.tasks.base import Task, TaskFamily
 from popmeta.core.tasks.datasets import SPLITS, Batch, Datasets
 
 __all__ = [
+    "CurvedQuadraticFamily",
     "FixedDimQuadraticFamily",
     "FixedDimQuadraticFamilyData",
     "QuadraticTask",
@@ -90,6 +91,61 @@ class FixedDimQuadraticFamily(TaskFamily):
 
     def task_fn(self, task_params: jax.Array) -> Task:
         return _TargetQuadraticTask(task_params, self.dim)
+
+
+class _CurvedQuadraticTask(Task):
+    """One member of :class:`CurvedQuadraticFamily`; its arrays may be traced."""
+
+    def __init__(self, target: jax.Array, log_curvature: jax.Array, dim: int):
+        self.target = target
+        self.log_curvature = log_curvature
+        self.dim = dim
+
+    def init(self, key: jax.Array) -> jax.Array:
+        return jax.random.normal(key, (self.dim,), jnp.float32)
+
+    def loss(self, params: jax.Array, key: jax.Array, data: Batch) -> jax.Array:
+        del key, data
+        return 0.5 * jnp.sum(jnp.exp(self.log_curvature) * jnp.square(params - self.target))
+
+
+class CurvedQuadraticFamily(TaskFamily):
+    """popmeta's own family: sampled targets *and* per-coordinate curvatures; data-free.
+
+    Not a reference family. Each task draws a target ``t ~ N(0, I)`` and a
+    curvature ``s_i ~ LogUniform(min_curvature, max_curvature)`` per
+    coordinate (``task_param = (t, log s)``), and
+
+        loss(p) = 0.5 * sum(s * (p - t)**2),    p ~ N(0, I) at the start.
+
+    Why it exists: on :class:`FixedDimQuadraticFamily` every coordinate has the
+    same curvature, so SGD at the one right learning rate solves a task in a
+    single step and nothing can beat it. Here no single learning rate suits
+    every coordinate (a condition number of up to ``max / min``, 100 by
+    default, within each task), stepping along ``-p`` leads nowhere (the
+    optimum is the sampled target), and an optimizer that adapts per
+    coordinate and to the horizon has a real lead to learn.
+    """
+
+    def __init__(self, dim: int = 10, min_curvature: float = 0.1, max_curvature: float = 10.0):
+        if not 0 < min_curvature <= max_curvature:
+            raise ValueError(
+                f"need 0 < min_curvature <= max_curvature; got {min_curvature}, {max_curvature}"
+            )
+        self.dim = _check_dim(dim)
+        self.log_range = (float(np.log(min_curvature)), float(np.log(max_curvature)))
+
+    def sample(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        key_target, key_curvature = jax.random.split(key)
+        low, high = self.log_range
+        log_curvature = jax.random.uniform(
+            key_curvature, (self.dim,), jnp.float32, minval=low, maxval=high
+        )
+        return _sample_target(key_target, self.dim), log_curvature
+
+    def task_fn(self, task_params: tuple[jax.Array, jax.Array]) -> Task:
+        target, log_curvature = task_params
+        return _CurvedQuadraticTask(target, log_curvature, self.dim)
 
 
 class _NoisyTargetQuadraticTask(_TargetQuadraticTask):
