@@ -146,10 +146,9 @@ class MixtureTruncatedStep(TruncatedStep):
         if data is not None:
             raise ValueError("a mixture samples its data on device; pass data=None")
 
-    def init_step_state(self, theta, outer_state, key, theta_is_vector=False):
-        """The groups' states, each from ``fold_in(key, g)`` (random offsets included)."""
+    def _init_groups(self, method: str, theta, outer_state, key, theta_is_vector):
         return tuple(
-            g.init_step_state(
+            getattr(g, method)(
                 self._theta(theta, i, theta_is_vector),
                 outer_state,
                 jax.random.fold_in(key, i),
@@ -158,17 +157,13 @@ class MixtureTruncatedStep(TruncatedStep):
             for i, g in enumerate(self.groups)
         )
 
+    def init_step_state(self, theta, outer_state, key, theta_is_vector=False):
+        """The groups' states, each from ``fold_in(key, g)`` (random offsets included)."""
+        return self._init_groups("init_step_state", theta, outer_state, key, theta_is_vector)
+
     def init_episode_state(self, theta, outer_state, key, theta_is_vector=False):
         """The groups' fresh-trajectory states, each from ``fold_in(key, g)``."""
-        return tuple(
-            g.init_episode_state(
-                self._theta(theta, i, theta_is_vector),
-                outer_state,
-                jax.random.fold_in(key, i),
-                theta_is_vector,
-            )
-            for i, g in enumerate(self.groups)
-        )
+        return self._init_groups("init_episode_state", theta, outer_state, key, theta_is_vector)
 
     def unroll_step(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
         self._check_no_data(data)
