@@ -74,10 +74,16 @@ def worker_state(theta_size: int, num_tasks: int, inner_params: int) -> dict[str
     }
 
 
-def measure(directory: Path, tree: dict[str, Any], repeats: int) -> tuple[int, float, float]:
-    """File size in bytes and median save / load seconds of ``tree``."""
+def measure(
+    directory: Path, tree: dict[str, Any], learner: dict[str, Any], repeats: int
+) -> tuple[int, float, float, float]:
+    """File size in bytes and median seconds to save, load whole, and load the learner only.
+
+    The learner-only load is what ``popmeta eval`` reads: the optional workers
+    section is neither read nor checked.
+    """
     optional = ("workers",) if "workers" in tree else ()
-    saves, loads = [], []
+    saves, loads, learner_loads = [], [], []
     for step in range(repeats):
         start = time.perf_counter()
         path = save_checkpoint(directory, step, tree, keep=1, optional=optional)
@@ -85,7 +91,11 @@ def measure(directory: Path, tree: dict[str, Any], repeats: int) -> tuple[int, f
         start = time.perf_counter()
         load_checkpoint(path, tree)
         loads.append(time.perf_counter() - start)
-    return path.stat().st_size, statistics.median(saves), statistics.median(loads)
+        start = time.perf_counter()
+        load_checkpoint(path, learner)
+        learner_loads.append(time.perf_counter() - start)
+    medians = (statistics.median(x) for x in (saves, loads, learner_loads))
+    return (path.stat().st_size, *medians)
 
 
 def main() -> None:
@@ -105,11 +115,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         print(f"theta: {args.theta:,} float32; inner problems: {args.inner_params:,} params")
-        print(f"{'checkpoint':<28} {'size MB':>9} {'save s':>8} {'load s':>8}")
+        print(f"{'checkpoint':<28} {'size MB':>9} {'save s':>8} {'load s':>8} {'learner s':>9}")
         for index, (name, tree) in enumerate(cases):
             # A directory each: keep=1 would otherwise drop a case's file for an older step.
-            size, save_s, load_s = measure(Path(tmp) / str(index), tree, args.repeats)
-            print(f"{name:<28} {size / 1e6:>9.1f} {save_s:>8.3f} {load_s:>8.3f}")
+            size, save_s, load_s, learner_s = measure(
+                Path(tmp) / str(index), tree, learner, args.repeats
+            )
+            print(f"{name:<28} {size / 1e6:>9.1f} {save_s:>8.3f} {load_s:>8.3f} {learner_s:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,10 @@ anything). Each mode stops by itself after ``--minutes`` and prints:
 * whether theta stayed finite.
 
 ``--startup`` instead measures a replacement's time to first estimate: one
-sync actor is killed three times with JAX's persistent compilation cache off
-(every replacement compiles) and three times with it on (every replacement
-loads the compilations of the first actor).
+sync actor is killed three times in each of three setups, JAX's persistent
+compilation cache off (every replacement compiles), on in a fresh directory,
+and on in its default directory (every replacement loads the compilations of
+the first actor).
 
 Actor processes are found under /proc (children of this driver's raylet named
 ``ray::EstimatorActor``), so the timer thread never touches the population,

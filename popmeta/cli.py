@@ -95,15 +95,10 @@ def _train(config, from_checkpoint: str | None) -> int:
     )
     try:
         result = train(config, from_checkpoint=from_checkpoint)
-    except (ConfigError, RunDirectoryError) as err:
+    except (ConfigError, RunDirectoryError, DivergedError, RunWriteError) as err:
         print(f"popmeta: {err}", file=sys.stderr)
-        return 2
-    except DivergedError as err:
-        print(f"popmeta: {err}", file=sys.stderr)
-        return 1
-    except RunWriteError as err:
-        print(f"popmeta: {err}", file=sys.stderr)
-        return EX_IOERR
+        # A scheduler tells a bad start (2) from a divergence (1) and a write failure.
+        return {DivergedError: 1, RunWriteError: EX_IOERR}.get(type(err), 2)
     if result.already_finished:
         return 0
     print(f"\nrun directory: {result.run_dir} (TensorBoard: tensorboard --logdir {result.run_dir})")

@@ -36,7 +36,6 @@ import csv
 import math
 import re
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -185,10 +184,8 @@ def paired_interval(learned: np.ndarray, baseline: np.ndarray) -> tuple[float, f
     n = diff.size
     if n < 2:
         raise ValueError(f"an interval over tasks needs at least 2 tasks, got {n}")
-    with np.errstate(invalid="ignore"):
-        mean = float(diff.mean())
-        half_width = float(t_quantile_975(n - 1) * diff.std(ddof=1) / math.sqrt(n))
-    return mean, half_width
+    mean, half_width = _mean_interval(diff)
+    return float(mean), float(half_width)
 
 
 def _verdict(
@@ -303,6 +300,15 @@ def _units_per_setting(num_thetas: int) -> int:
     return num_thetas + len(BASELINES)
 
 
+def _learned_optimizer_run(config: Config, setting: Setting) -> Callable[[Any], TrainingCurves]:
+    """``run(theta)``: the learned optimizer's curves on the setting's test tasks, one compile."""
+    family = build_task_family(setting.task)
+    lopt = build_learned_optimizer(config.learned_optimizer)
+    n, steps = config.eval.num_tasks, setting.num_steps
+    key = jax.random.key(config.eval.seed)
+    return jax.jit(lambda theta: training_curves(family, lopt.opt_fn(theta), key, n, steps))
+
+
 def evaluate_setting(
     config: Config,
     setting: Setting,
@@ -314,15 +320,11 @@ def evaluate_setting(
     n, steps = config.eval.num_tasks, setting.num_steps
     test_key = jax.random.key(config.eval.seed)
     tune_key = jax.random.key(config.eval.seed + 1)
-    lopt = build_learned_optimizer(config.learned_optimizer)
-
-    @jax.jit
-    def run_theta(theta, key):
-        return training_curves(family, lopt.opt_fn(theta), key, n, steps)
+    run_theta = _learned_optimizer_run(config, setting)
 
     scores: dict[str, TaskScores] = {}
     for name, theta in thetas.items():
-        scores[name] = _scores(run_theta(theta, test_key))
+        scores[name] = _scores(run_theta(theta))
         if units:
             units.step(f"{setting.name}: {name}")
 
@@ -594,45 +596,36 @@ class PeriodicEvaluator:
 
     The learner never waits for it: :meth:`submit` hands over a host copy of
     theta (the learner donates its buffers) only when the previous evaluation
-    has finished, and skips otherwise; results are written by the caller's
-    thread in :meth:`write_finished` (the event file has one writer). Only the
+    has been written, and skips otherwise; results are written by the
+    caller's thread in :meth:`write_finished` (the event file has one writer),
+    which the run loop calls before each :meth:`submit`. Only the
     learned optimizer runs here (no baselines), on the test tasks of the
     trained-horizon setting, so successive points are comparable.
     """
 
     def __init__(self, config: Config):
-        setting = settings_of(config)[0]
-        family = build_task_family(setting.task)
-        lopt = build_learned_optimizer(config.learned_optimizer)
-        n, steps = config.eval.num_tasks, setting.num_steps
-        key = jax.random.key(config.eval.seed)
-        self._run = jax.jit(
-            lambda theta: training_curves(family, lopt.opt_fn(theta), key, n, steps)
-        )
+        self._run = _learned_optimizer_run(config, settings_of(config)[0])
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="popmeta-eval")
+        # Only the caller's thread reads or replaces it; the worker thread only
+        # completes the future.
         self._pending: tuple[int, Future[TaskScores]] | None = None
-        self._lock = threading.Lock()
         self.skipped = 0
 
     def submit(self, step: int, theta: Any) -> bool:
-        """Starts an evaluation of ``theta`` at ``step`` unless one is running."""
-        with self._lock:
-            if self._pending is not None and not self._pending[1].done():
-                self.skipped += 1
-                return False
+        """Starts an evaluation of ``theta`` at ``step`` unless one is running or unwritten."""
+        if self._pending is not None:
+            self.skipped += 1
+            return False
         host_theta = jax.tree.map(np.array, theta)
-        future = self._executor.submit(lambda: _scores(self._run(host_theta)))
-        with self._lock:
-            self._pending = (step, future)
+        self._pending = (step, self._executor.submit(lambda: _scores(self._run(host_theta))))
         return True
 
     def write_finished(self, summaries: Summaries, wait: bool = False) -> None:
         """Writes the finished evaluation, if any, under ``eval/`` at its step."""
-        with self._lock:
-            pending = self._pending
-        if pending is None or not (wait or pending[1].done()):
+        if self._pending is None or not (wait or self._pending[1].done()):
             return
-        step, future = pending
+        step, future = self._pending
+        self._pending = None
         scores = future.result()
         values = {
             "eval/mean_train_loss": float(np.mean(scores.mean_train_loss)),
@@ -641,9 +634,6 @@ class PeriodicEvaluator:
         if scores.final_test_accuracy is not None:
             values["eval/final_test_accuracy"] = float(np.mean(scores.final_test_accuracy))
         summaries.scalars(step, values)
-        with self._lock:
-            if self._pending is pending:
-                self._pending = None
 
     def close(self, summaries: Summaries | None = None) -> None:
         """Waits for the running evaluation, writes it if ``summaries`` is given, and stops."""

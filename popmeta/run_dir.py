@@ -32,7 +32,8 @@ staging directory (:attr:`RunDirectory.path`) that mirrors the remote one:
   trains is logged and retried by the next one; a failed final upload is an
   error that names the staging directory, which is then kept;
 * the lock is a :class:`~popmeta.storage.RemoteLock` object with a heartbeat,
-  taken over once its heartbeat is :data:`LOCK_STALE_AFTER_S` seconds old (a
+  taken over once its heartbeat is
+  :data:`~popmeta.storage.LOCK_STALE_AFTER_S` seconds old (a
   lost head node never releases its lock).
 """
 
@@ -43,6 +44,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import posixpath
 import shutil
 import socket
 import tempfile
@@ -58,13 +60,14 @@ from popmeta.config import Config, config_from_dict, config_to_yaml
 from popmeta.learner.checkpoints import (
     checkpoint_step,
     list_checkpoints,
-    read_checkpoint_metadata,
 )
 from popmeta.storage import (
+    LOCK_NAME,
     Mirror,
     RemoteDir,
     RemoteLock,
     StorageError,
+    download,
     is_remote,
     join,
     local_path,
@@ -93,13 +96,8 @@ SAFE_TO_CHANGE = (
 )
 
 CONFIG_FILE = "config.yaml"
-LOCK_FILE = ".lock"
 #: Seconds between uploads of a remote run's event files while it trains.
 SYNC_EVERY_S = 30.0
-#: Seconds between heartbeats of a remote run's lock.
-LOCK_HEARTBEAT_S = 30.0
-#: Age of the last heartbeat after which a remote run's lock is taken over.
-LOCK_STALE_AFTER_S = 180.0
 
 
 log = logging.getLogger("popmeta")
@@ -261,7 +259,7 @@ class RunDirectory:
                 yield
             return
         created = not self.path.exists()
-        lock_path = self.path / LOCK_FILE
+        lock_path = self.path / LOCK_NAME
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             handle = open(lock_path, "a+")  # noqa: SIM115 -- held for the whole run
@@ -308,13 +306,13 @@ class RunDirectory:
     def _claim_remote(self) -> Iterator[None]:
         assert self.remote_uri is not None
         remote = RemoteDir(self.remote_uri)
-        lock = RemoteLock(remote, LOCK_FILE, LOCK_HEARTBEAT_S, LOCK_STALE_AFTER_S)
+        lock = RemoteLock(remote)
         try:
             lock.acquire()
         except StorageError as err:
             raise RunDirectoryError(str(err)) from None
         self._recorded = False
-        self._lock, self._mirror = lock, Mirror(self.path, remote)
+        self._lock, self._mirror = lock, Mirror(self.path, remote, first=CONFIG_FILE)
         synced = False
         try:
             try:
@@ -375,7 +373,7 @@ class RunDirectory:
         if self._lock.lost is not None:
             raise RunDirectoryError(
                 f"{self.remote_uri}: the lock was taken over by {self._lock.lost} (this run's "
-                f"heartbeats had stopped for over {LOCK_STALE_AFTER_S:.0f} s); this run stopped "
+                f"heartbeats had stopped for over {self._lock.stale_after_s:.0f} s); this run stopped "
                 f"writing there"
             )
         self._last_sync = time.monotonic()
@@ -403,15 +401,13 @@ class RunDirectory:
         if not is_remote(location):
             return local_path(location)
         uri = str(location)
-        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        name = posixpath.basename(uri.rstrip("/"))
         if self.remote_uri is not None and parent(uri) == join(self.remote_uri, "checkpoints"):
             staged = self.checkpoints / name
             if staged.is_file():
                 return staged
         try:
-            return RemoteDir(parent(uri)).download(name, self.path / ".incoming" / name)
-        except FileNotFoundError:
-            raise RunDirectoryError(f"--from-checkpoint {uri}: no such file") from None
+            return download(uri, self.path / ".incoming" / name)
         except (OSError, StorageError) as err:
             raise RunDirectoryError(f"--from-checkpoint {uri}: {err}") from None
 
@@ -442,13 +438,14 @@ class RunDirectory:
           checkpoint: a checkpoint file of any run whose learned optimizer has
             the shape of this config's.
 
+        The caller has already restored from it, which read and checked it.
+
         Raises:
-          RunDirectoryError: the file is not a readable checkpoint.
+          RunDirectoryError: the file's name is not a checkpoint's.
         """
         try:
             step = checkpoint_step(checkpoint)
-            read_checkpoint_metadata(checkpoint)
-        except (OSError, ValueError) as err:
+        except ValueError as err:
             raise RunDirectoryError(f"--from-checkpoint {checkpoint}: {err}") from None
         later = [p for p in list_checkpoints(self.checkpoints) if checkpoint_step(p) > step]
         if later:

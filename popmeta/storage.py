@@ -50,11 +50,15 @@ from typing import Any
 
 __all__ = [
     "EXTRAS",
+    "LOCK_HEARTBEAT_S",
+    "LOCK_NAME",
+    "LOCK_STALE_AFTER_S",
     "OBJECT_STORES",
     "Mirror",
     "RemoteDir",
     "RemoteLock",
     "StorageError",
+    "download",
     "is_remote",
     "join",
     "local_file",
@@ -65,6 +69,12 @@ __all__ = [
 
 log = logging.getLogger("popmeta")
 
+#: Name of a run directory's lock: the remote lock object (and the local flock file).
+LOCK_NAME = ".lock"
+#: Seconds between heartbeats of a remote lock.
+LOCK_HEARTBEAT_S = 30.0
+#: Age of the last heartbeat after which a remote lock is taken over.
+LOCK_STALE_AFTER_S = 180.0
 #: Schemes whose single PUT of a whole object is atomic: no temporary name is needed.
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 #: The popmeta extra that brings the fsspec implementation of a scheme.
@@ -250,11 +260,14 @@ class Mirror:
     Args:
       local: the staging directory.
       remote: the directory it mirrors.
+      first: a file that each sync uploads before any other (a run's recorded
+        config: its files are never visible without its identity).
     """
 
-    def __init__(self, local: Path, remote: RemoteDir):
+    def __init__(self, local: Path, remote: RemoteDir, first: str | None = None):
         self.local = local
         self.remote = remote
+        self.first = first
         self._synced: dict[str, tuple[int, int]] = {}
 
     def pull(self, rel: str) -> bool:
@@ -292,8 +305,7 @@ class Mirror:
         """
         current = self._local_files()
         uploaded = 0
-        # config.yaml first: a run's files are never visible without its identity.
-        for rel in sorted(current, key=lambda r: (r != "config.yaml", r)):
+        for rel in sorted(current, key=lambda r: (r != self.first, r)):
             stamp = _stamp(current[rel])
             if self._synced.get(rel) == stamp:
                 continue
@@ -344,9 +356,9 @@ class RemoteLock:
     def __init__(
         self,
         remote: RemoteDir,
-        rel: str = ".lock",
-        heartbeat_s: float = 30.0,
-        stale_after_s: float = 180.0,
+        rel: str = LOCK_NAME,
+        heartbeat_s: float = LOCK_HEARTBEAT_S,
+        stale_after_s: float = LOCK_STALE_AFTER_S,
     ):
         self.remote = remote
         self.rel = rel
@@ -433,6 +445,19 @@ class RemoteLock:
                 self.remote.remove(self.rel)
 
 
+def download(uri: str, target: Path) -> Path:
+    """Downloads the remote file ``uri`` to ``target`` (whole, then renamed into place).
+
+    Raises:
+      FileNotFoundError: no file at ``uri``.
+      StorageError: the storage cannot be used.
+    """
+    try:
+        return RemoteDir(parent(uri)).download(posixpath.basename(uri.rstrip("/")), target)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{uri}: no such file") from None
+
+
 @contextlib.contextmanager
 def local_file(location: str | os.PathLike[str]) -> Iterator[Path]:
     """A local copy of the file at ``location`` (the file itself when it is local).
@@ -445,14 +470,8 @@ def local_file(location: str | os.PathLike[str]) -> Iterator[Path]:
         yield local_path(location)
         return
     uri = os.fspath(location)
-    remote = RemoteDir(parent(uri))
     with tempfile.TemporaryDirectory(prefix="popmeta-get-") as folder:
-        name = posixpath.basename(uri)
-        try:
-            path = remote.download(name, Path(folder) / name)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{uri}: no such file") from None
-        yield path
+        yield download(uri, Path(folder) / posixpath.basename(uri.rstrip("/")))
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import histogram as histogram_summary
 
+from popmeta.core.estimators import FAMILY_LOSS_METRIC
 from popmeta.estimate import Aggregate
 from popmeta.population.base import Gathered
 
@@ -241,7 +242,7 @@ class RoundStats:
         # A mixture's estimates carry each family's loss; a single family's is the meta-loss.
         by_family = {f: np.mean(losses) for f, losses in self._family_losses.items()}
         for family, loss in (by_family or {self.task_family: meta_loss}).items():
-            values[f"meta_loss_by_family/{family}"] = loss
+            values[f"{FAMILY_LOSS_METRIC}{family}"] = loss
         names = {"param_norm": "theta_norm"}
         for name, series in self._norms.items():
             values[names.get(name, name)] = np.mean(series)

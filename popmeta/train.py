@@ -31,6 +31,7 @@ from popmeta.evaluate import PeriodicEvaluator, SettingReport, evaluate, setting
 from popmeta.experiment import build_task_family
 from popmeta.learner.checkpoints import (
     Checkpoint,
+    CheckpointCorruptedError,
     checkpoint_path,
     list_checkpoints,
     load_checkpoint,
@@ -276,9 +277,12 @@ def train(
             run.check_identity()
         else:
             from_checkpoint = run.fetch_checkpoint(from_checkpoint)
-            run.take_over_from(from_checkpoint)
         learner = Learner(config)
+        # Restored (so read and checked) before the take-over moves anything:
+        # a checkpoint that does not fit leaves the run directory as it was.
         worker_states = _restore(learner, run, from_checkpoint, stream)
+        if from_checkpoint is not None:
+            run.take_over_from(from_checkpoint)
         if learner.version >= config.train.num_steps:
             print(
                 f"{run.location} already finished: step {learner.version} of "
@@ -322,6 +326,10 @@ def _restore(
             restored = load_checkpoint(from_checkpoint, target)
         else:
             restored = restore_latest(run.checkpoints, target)
+    except (OSError, CheckpointCorruptedError) as err:
+        if from_checkpoint is None:  # restore_latest skips damaged files itself
+            raise
+        raise RunDirectoryError(f"--from-checkpoint {from_checkpoint}: {err}") from None
     except ValueError as err:
         raise RunDirectoryError(
             f"{err}. The checkpoint does not fit learned_optimizer.kind="
@@ -406,8 +414,14 @@ def _train(
     interrupted = False
     failure: BaseException | None = None
     failures = 0
+    saved_step: int | None = None
 
     def checkpoint():
+        nonlocal saved_step
+        if saved_step == learner.version:
+            # This run saved this step already (at its boundary, with the
+            # worker states): the final save after a boundary would repeat it.
+            return
         tree, metadata = _checkpoint_contents(learner, population, config)
         if WORKERS not in tree and checkpoint_path(ckpt_dir, learner.version).exists():
             # Interrupted half-way through a round: this step's checkpoint,
@@ -425,6 +439,7 @@ def _train(
         except OSError as err:
             path = checkpoint_path(ckpt_dir, learner.version)
             raise RunWriteError(_write_failed(path, err, learner.version, run)) from err
+        saved_step = learner.version
         run.sync()
 
     # Closed last-in first-out: the progress bar, the event files, then the

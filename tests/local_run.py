@@ -6,7 +6,7 @@ from typing import Any
 
 from popmeta.config import Config, config_from_dict
 
-__all__ = ["local_config"]
+__all__ = ["local_config", "no_population"]
 
 
 def local_config(run_dir: Any, name: str = "ident", **sections: dict[str, Any]) -> Config:
@@ -28,3 +28,8 @@ def local_config(run_dir: Any, name: str = "ident", **sections: dict[str, Any]) 
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}
     return config_from_dict(base)
+
+
+def no_population(config: Config):
+    """A population factory for starts that must fail before any population starts."""
+    raise AssertionError("no population may start")

@@ -40,7 +40,7 @@ from popmeta.run_dir import RunDirectoryError
 from popmeta.summaries import Summaries
 from popmeta.train import RunWriteError, train
 from tests.events import read_events, read_scalars
-from tests.local_run import local_config
+from tests.local_run import local_config, no_population
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -433,11 +433,8 @@ def test_a_data_file_without_the_expected_arrays_is_refused_before_anything_star
         tmp_path / "runs", task={"family": "image_mlp_npz", "npz_path": str(data)}
     )
 
-    def never(config):
-        raise AssertionError("no population may start")
-
     with pytest.raises(ConfigError, match=r"task\.npz_path: .*digits\.npz: key 'images' has"):
-        train(config, never, stream=io.StringIO())
+        train(config, no_population, stream=io.StringIO())
     assert not (tmp_path / "runs").exists()
 
 
@@ -469,11 +466,8 @@ def test_every_data_file_the_config_names_is_checked_before_anything_starts(
         target["npz_path"] = missing
     config = local_config(tmp_path / "runs", **sections)
 
-    def never(config):
-        raise AssertionError("no population may start")
-
     with pytest.raises(ConfigError, match=rf"{re.escape(field)}: .*missing\.npz"):
-        train(config, never, stream=io.StringIO())
+        train(config, no_population, stream=io.StringIO())
     assert not (tmp_path / "runs").exists()
 
 

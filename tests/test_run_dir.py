@@ -16,13 +16,9 @@ from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.run_dir import RunDirectory, RunDirectoryError, config_differences
 from popmeta.train import DivergedError, train
 from tests.events import read_scalars
-from tests.local_run import local_config
+from tests.local_run import local_config, no_population
 
 _config = local_config
-
-
-def _never(config):
-    raise AssertionError("no population may start")
 
 
 def _files(path):
@@ -48,7 +44,7 @@ def test_a_different_config_is_refused_naming_the_fields(finished, tmp_path):
     before = {p: p.read_bytes() for p in (root / "ident").rglob("*") if p.is_file()}
     changed = _config(root, estimator={"kind": "nres"}, task={"dim": 4})
     with pytest.raises(RunDirectoryError) as info:
-        train(changed, _never, stream=io.StringIO())
+        train(changed, no_population, stream=io.StringIO())
     message = str(info.value)
     assert "estimator.kind: 'pes' -> 'nres'" in message and "task.dim: 3 -> 4" in message
     assert "--set name=NEW" in message and "--from-checkpoint" in message
@@ -70,7 +66,7 @@ def test_safe_fields_may_change_and_the_run_goes_on(finished, tmp_path):
 def test_a_finished_run_says_so_without_starting_anything(finished, tmp_path):
     root = _copy(finished, tmp_path)
     stream = io.StringIO()
-    result = train(_config(root), _never, stream=stream)
+    result = train(_config(root), no_population, stream=stream)
     assert result.already_finished and result.final_step == 4
     assert "already finished: step 4 of train.num_steps=4" in stream.getvalue()
 
@@ -79,7 +75,7 @@ def test_a_second_live_run_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
     run = RunDirectory(_config(tmp_path))
     with run.claim():
         with pytest.raises(RunDirectoryError, match=r"in use by a live run \(pid"):
-            train(_config(tmp_path), _never, stream=io.StringIO())
+            train(_config(tmp_path), no_population, stream=io.StringIO())
         # ... and from another process too (flock is per open file, not per process).
         code = (
             "import json, sys\n"
@@ -107,7 +103,7 @@ def test_a_start_that_fails_leaves_nothing_behind(tmp_path):
         tmp_path, task={"family": "image_mlp_npz", "npz_path": str(tmp_path / "none.npz")}
     )
     with pytest.raises(ConfigError, match=r"task\.npz_path: .*none\.npz"):
-        train(missing, _never, stream=io.StringIO())
+        train(missing, no_population, stream=io.StringIO())
     not_npz = tmp_path / "bad.npz"
     not_npz.write_text("not a zip")
     with pytest.raises(ConfigError, match=r"task\.npz_path: .*bad\.npz"):
@@ -115,7 +111,7 @@ def test_a_start_that_fails_leaves_nothing_behind(tmp_path):
             dataclasses.replace(
                 missing, task=dataclasses.replace(missing.task, npz_path=str(not_npz))
             ),
-            _never,
+            no_population,
         )
     assert _files(tmp_path) == ["bad.npz"]
 
@@ -130,7 +126,7 @@ def test_a_start_that_fails_leaves_nothing_behind(tmp_path):
 def test_an_unwritable_run_dir_is_refused_before_anything_starts(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(RunDirectoryError, match=r"run_dir: .*file is a file"):
-        train(_config(tmp_path / "file"), _never, stream=io.StringIO())
+        train(_config(tmp_path / "file"), no_population, stream=io.StringIO())
 
 
 def test_from_checkpoint_takes_the_run_over_with_a_new_config(finished, tmp_path):
@@ -149,7 +145,7 @@ def test_from_checkpoint_takes_the_run_over_with_a_new_config(finished, tmp_path
     with pytest.raises(
         RunDirectoryError, match=r"does not fit learned_optimizer\.kind='learnable_sgdm'"
     ):
-        train(other, _never, stream=io.StringIO(), from_checkpoint=earlier)
+        train(other, no_population, stream=io.StringIO(), from_checkpoint=earlier)
 
 
 def test_divergence_is_counted_and_says_how_to_go_on(tmp_path):

@@ -26,7 +26,7 @@ from popmeta.evaluate import load_theta
 from popmeta.run_dir import RunDirectoryError
 from popmeta.storage import Mirror, RemoteDir, RemoteLock, StorageError, is_remote, join, parent
 from popmeta.train import DivergedError, train
-from tests.local_run import local_config
+from tests.local_run import local_config, no_population
 
 BUCKET = "popmeta-test"
 RUNS = f"s3://{BUCKET}/runs"
@@ -67,10 +67,6 @@ def _get(client, key: str, target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     client.download_file(BUCKET, key, str(target))
     return target
-
-
-def _never(config):
-    raise AssertionError("no population may start")
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -131,7 +127,7 @@ def test_a_different_config_is_refused_and_the_bucket_left_as_it_was(s3):
     train(local_config(RUNS, name="ident"), stream=io.StringIO())
     before = _keys(s3, "runs/ident/")
     with pytest.raises(RunDirectoryError) as info:
-        train(local_config(RUNS, name="ident", estimator={"kind": "nres"}), _never)
+        train(local_config(RUNS, name="ident", estimator={"kind": "nres"}), no_population)
     message = str(info.value)
     assert f"{RUNS}/ident holds a run with another config" in message
     assert "estimator.kind: 'pes' -> 'nres'" in message
@@ -163,7 +159,7 @@ def _lock(client, name: str, age_s: float) -> None:
 def test_a_live_lock_refuses_a_start_and_a_stale_one_is_taken_over(s3):
     _lock(s3, "locked", age_s=5)
     with pytest.raises(RunDirectoryError, match=r"in use by a live run \(pid 7 on lost-head"):
-        train(local_config(RUNS, name="locked"), _never)
+        train(local_config(RUNS, name="locked"), no_population)
     assert set(_keys(s3, "runs/locked/")) == {"runs/locked/.lock"}
     # The head that held it was lost long ago: its lock is taken over.
     _lock(s3, "locked", age_s=3600)
@@ -219,9 +215,9 @@ def test_a_start_that_fails_writes_nothing_to_the_bucket(s3):
 
 def test_a_missing_bucket_or_unknown_storage_is_refused_naming_it(s3):
     with pytest.raises(RunDirectoryError, match=r"run_dir: s3://no-such-bucket/runs/x: .*create"):
-        train(local_config("s3://no-such-bucket/runs", name="x"), _never)
+        train(local_config("s3://no-such-bucket/runs", name="x"), no_population)
     with pytest.raises(RunDirectoryError, match=r"run_dir: nosuchfs://b/runs/x: fsspec does not"):
-        train(local_config("nosuchfs://b/runs", name="x"), _never)
+        train(local_config("nosuchfs://b/runs", name="x"), no_population)
 
 
 def test_locations_local_and_remote():

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from popmeta.learner.checkpoints import list_checkpoints
+from popmeta.learner.checkpoints import list_checkpoints, read_checkpoint_metadata
 from popmeta.population.local import LocalPopulation
 from popmeta.train import open_population, train
 from tests.events import read_scalars
@@ -38,7 +38,8 @@ def test_a_failing_shutdown_keeps_the_final_checkpoint_and_the_events(tmp_path):
     # checkpoint_every is far away: this is the final checkpoint, written first.
     (checkpoint,) = list_checkpoints(run_dir / "checkpoints")
     assert checkpoint.name == "ckpt_00000006.npz"
-    # The event files were closed (drained) before the population's close failed.
+    # Written while the population was still up: both workers' states are in it.
+    assert read_checkpoint_metadata(checkpoint)["worker_ranks"] == [0, 1]
     assert [step for step, _ in read_scalars(run_dir)["meta_loss"]] == [2, 4, 6]
 
 

@@ -165,11 +165,15 @@ class MixtureTruncatedStep(TruncatedStep):
         """The groups' fresh-trajectory states, each from ``fold_in(key, g)``."""
         return self._init_groups("init_episode_state", theta, outer_state, key, theta_is_vector)
 
+    def _joined(self, results: list[tuple[Any, TruncatedUnrollOut]], axis: int):
+        """The groups' ``(state, out)`` pairs as one state tuple and one output."""
+        states, outs = zip(*results, strict=True)
+        return tuple(states), self._out(list(outs), axis)
+
     def unroll_step(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
         self._check_no_data(data)
-        states, outs = [], []
-        for i, g in enumerate(self.groups):
-            state, out = g.unroll_step(
+        results = [
+            g.unroll_step(
                 self._theta(theta, i, theta_is_vector),
                 unroll_state[i],
                 jax.random.fold_in(key, i),
@@ -177,25 +181,24 @@ class MixtureTruncatedStep(TruncatedStep):
                 outer_state,
                 theta_is_vector,
             )
-            states.append(state)
-            outs.append(out)
-        return tuple(states), self._out(outs, 0)
+            for i, g in enumerate(self.groups)
+        ]
+        return self._joined(results, 0)
 
     def unroll_members(self, thetas, unroll_states, key, data, outer_state):
         # Thetas and states lead with the member axis; the task axis is 1.
         self._check_no_data(data)
-        states, outs = [], []
-        for i, g in enumerate(self.groups):
-            state, out = g.unroll_members(
+        results = [
+            g.unroll_members(
                 self._slice(thetas, i, 1),
                 unroll_states[i],
                 jax.random.fold_in(key, i),
                 None,
                 outer_state,
             )
-            states.append(state)
-            outs.append(out)
-        return tuple(states), self._out(outs, 1)
+            for i, g in enumerate(self.groups)
+        ]
+        return self._joined(results, 1)
 
     def meta_loss_batch(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
         self._check_no_data(data)

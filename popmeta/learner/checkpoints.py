@@ -11,8 +11,8 @@ caller passed (resolved config, library versions, ...).
 
 Optional sections. Top-level entries of the tree named in ``optional`` at
 save time (e.g. the workers' states, which evaluation does not need) are left
-out by a reader whose target does not have them; a target that has one gets
-it restored as strictly as everything else. Files without the header field
+out by a reader whose target does not have them, and not even read from the
+file; a target that has one gets it restored as strictly as everything else. Files without the header field
 ``optional_sections`` have none.
 
 PRNG keys. Typed keys (``jax.random.key``) cannot be written by numpy, so
@@ -247,22 +247,51 @@ def _remove_stale_temp_files(directory: Path) -> None:
                 entry.unlink()
 
 
-def _read_archive(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Reads and checks the whole file; any damage becomes CheckpointCorruptedError."""
+def _header(npz: Any) -> dict[str, Any]:
+    header = json.loads(str(npz[_METADATA_KEY][()]))
+    if not isinstance(header, dict) or "step" not in header:
+        raise ValueError("metadata entry is not a checkpoint header")
+    return header
+
+
+def _corrupted(path: Path, e: BaseException) -> CheckpointCorruptedError:
+    return CheckpointCorruptedError(
+        f"checkpoint {path} is damaged or unreadable: {type(e).__name__}: {e}"
+    )
+
+
+def _skipped_prefixes(header: dict[str, Any], target: Any) -> tuple[str, ...]:
+    """Key prefixes of the optional sections ``target`` leaves out (all kept if None)."""
+    if target is None:
+        return ()
+    return tuple(
+        jax.tree_util.keystr((jax.tree_util.DictKey(name),))
+        for name in header.get("optional_sections", ())
+        if not (isinstance(target, Mapping) and name in target)
+    )
+
+
+def _read_archive(path: Path, target: Any = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Reads and checks the file; any damage becomes CheckpointCorruptedError.
+
+    The optional sections ``target`` leaves out are neither read nor checked
+    (None: every entry is).
+    """
     try:
         with np.load(path, allow_pickle=False) as npz:
+            header = _header(npz)
+            skipped = _skipped_prefixes(header, target)
             # Reading every member forces zipfile's CRC check, so a damaged
             # array is detected here rather than half-way through a restore.
-            contents = {name: npz[name] for name in npz.files}
-        header = json.loads(str(contents.pop(_METADATA_KEY)[()]))
-        if not isinstance(header, dict) or "step" not in header:
-            raise ValueError("metadata entry is not a checkpoint header")
+            contents = {
+                name: npz[name]
+                for name in npz.files
+                if name != _METADATA_KEY and not name.startswith(skipped)
+            }
     except FileNotFoundError:
         raise
     except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as e:
-        raise CheckpointCorruptedError(
-            f"checkpoint {path} is damaged or unreadable: {type(e).__name__}: {e}"
-        ) from e
+        raise _corrupted(path, e) from e
     return header, contents
 
 
@@ -270,12 +299,21 @@ def read_checkpoint_metadata(path: PathLike) -> dict[str, Any]:
     """The caller's metadata stored in a checkpoint, plus its ``step``.
 
     Useful to rebuild the target structure (e.g. from the stored config)
-    before calling :func:`load_checkpoint`.
+    before calling :func:`load_checkpoint`. Reads only the header entry: the
+    arrays are checked when they are loaded.
 
     Raises:
-      CheckpointCorruptedError: if the file is damaged.
+      CheckpointCorruptedError: if the file is not a readable archive or its
+        header is damaged.
     """
-    header, _ = _read_archive(Path(path))
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            header = _header(npz)
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as e:
+        raise _corrupted(path, e) from e
     return {"step": header["step"], **header.get("metadata", {})}
 
 
@@ -347,7 +385,7 @@ def load_checkpoint(path: PathLike, target: Any) -> Checkpoint:
         the message names the key and the file.
     """
     path = Path(path)
-    header, stored = _read_archive(path)
+    header, stored = _read_archive(path, target)
     target_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
     target_keys = [jax.tree_util.keystr(p) for p, _ in target_leaves]
 
@@ -357,13 +395,7 @@ def load_checkpoint(path: PathLike, target: Any) -> Checkpoint:
             f"checkpoint {path} has no entry for key {missing[0]}"
             + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
         )
-    # Optional sections the target leaves out are not read, so not extra.
-    skipped = [
-        jax.tree_util.keystr((jax.tree_util.DictKey(name),))
-        for name in header.get("optional_sections", ())
-        if not (isinstance(target, Mapping) and name in target)
-    ]
-    extra = sorted(k for k in set(stored) - set(target_keys) if not k.startswith(tuple(skipped)))
+    extra = sorted(set(stored) - set(target_keys))
     if extra:
         raise ValueError(
             f"checkpoint {path} has key {extra[0]} that is not in the target"

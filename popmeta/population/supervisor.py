@@ -341,8 +341,11 @@ class ActorSupervisor:
             actor = _Actor(placement, restart=0)
             self._spawn(actor)
             self._actors[placement.rank] = actor
-        for actor in self._actors.values():  # they start side by side
-            self._info(actor, wait=True, first=True)
+        # They start side by side, within one call_timeout_s for all of them.
+        refs = [actor.info_ref for actor in self._actors.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=pc.call_timeout_s)
+        for actor in self._actors.values():
+            self._info(actor, wait=False, first=True)
 
     def _with_bundle_nodes(self, placements: list[ActorPlacement]) -> list[ActorPlacement]:
         assert self._pg is not None
