@@ -267,10 +267,6 @@ def _scores(curves: TrainingCurves) -> TaskScores:
     return TaskScores(mean_train, final_test, accuracy, train, test)
 
 
-def _index(scores: TaskScores, i: int) -> TaskScores:
-    return TaskScores(*(None if x is None else x[i] for x in scores))
-
-
 class _Units:
     """Progress over units of work: a bar on a terminal, a line per unit otherwise."""
 
@@ -331,19 +327,13 @@ def evaluate_setting(
     learning_rates: dict[str, float] = {}
     for name, make in BASELINES.items():
 
-        def run_grid(lrs, key, make=make):
-            def one(lr):
-                return training_curves(family, make(lr, steps), key, n, steps)
+        def run(lr, key, make=make):
+            return training_curves(family, make(lr, steps), key, n, steps)
 
-            return jax.vmap(one)(lrs)
-
-        grid = jax.jit(run_grid)
-        tuning = _scores(grid(LEARNING_RATES, tune_key))
-        # The same compiled grid on the test tasks; only the tuned column is kept.
-        test = _scores(grid(LEARNING_RATES, test_key))
+        tuning = _scores(jax.jit(jax.vmap(run, in_axes=(0, None)))(LEARNING_RATES, tune_key))
         best = int(np.argmin(tuning.mean_train_loss.mean(axis=-1)))
         learning_rates[name] = float(LEARNING_RATES[best])
-        scores[name] = _index(test, best)
+        scores[name] = _scores(jax.jit(run)(LEARNING_RATES[best], test_key))
         if units:
             units.step(f"{setting.name}: {name} (lr {learning_rates[name]:.2g})")
 

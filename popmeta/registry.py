@@ -35,6 +35,7 @@ from popmeta.core.estimators import (
     TruncatedPES,
 )
 from popmeta.core.learned_optimizers import (
+    AdamMLPLOpt,
     LearnableAdam,
     LearnableSGD,
     LearnableSGDM,
@@ -264,6 +265,15 @@ def _mlp(cfg: Any) -> LearnedOptimizer:
         magnitude_multiplier=cfg.magnitude_multiplier,
         hidden_size=cfg.hidden_size,
     )
+
+
+@LEARNED_OPTIMIZERS.register(
+    "mlp_adam",
+    "Adam (learning rate `initial_lr`) rescaled and corrected per parameter by an MLP that "
+    "reads the MLP features and the fraction of the run done; starts as Adam",
+)
+def _mlp_adam(cfg: Any) -> LearnedOptimizer:
+    return AdamMLPLOpt(initial_lr=cfg.initial_lr, hidden_size=cfg.hidden_size)
 
 
 # -- truncation schedules: build(truncation_config) -> TruncationSchedule ----------------

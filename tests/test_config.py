@@ -49,6 +49,19 @@ def test_no_config_is_the_quickstart():
     assert load_config(quickstart) == load_config(None)
 
 
+def test_digits_config_names_what_the_readme_promises():
+    """configs/digits_mlp.yaml: the README's result; a typo here would fail only after 18 minutes."""
+    digits = load_config(Path(__file__).resolve().parents[1] / "configs" / "digits_mlp.yaml")
+    assert digits.name == "digits_mlp" and digits.task.family == "image_mlp_digits"
+    assert digits.learned_optimizer.kind == "mlp_adam"
+    assert digits.estimator.meta_loss_split == "outer_valid"
+    assert digits.eval.long_horizon_factor == 5
+    assert {task.family for task in digits.eval.out_of_distribution.values()} == {
+        "image_mlp_digits16",
+        "image_mlp_digits4",
+    }
+
+
 def test_yaml_file_loads(tmp_path):
     path = _write(
         tmp_path,

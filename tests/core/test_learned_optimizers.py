@@ -1,4 +1,4 @@
-"""Tests for learned optimizers: LearnableSGD/SGDM/Adam and MLPLOpt."""
+"""Tests for learned optimizers: LearnableSGD/SGDM/Adam, MLPLOpt and AdamMLPLOpt."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from popmeta.core.learned_optimizers import (
+    AdamMLPLOpt,
+    AdamMLPLOptState,
     LearnableAdam,
     LearnableSGD,
     LearnableSGDM,
@@ -86,8 +88,8 @@ def test_learnable_theta_layout():
 
 @pytest.mark.parametrize(
     "lopt",
-    [LearnableSGD(0.05), LearnableSGDM(0.05), LearnableAdam(0.05), MLPLOpt()],
-    ids=["sgd", "sgdm", "adam", "mlp"],
+    [LearnableSGD(0.05), LearnableSGDM(0.05), LearnableAdam(0.05), MLPLOpt(), AdamMLPLOpt(0.05)],
+    ids=["sgd", "sgdm", "adam", "mlp", "mlp_adam"],
 )
 def test_meta_gradient_through_unroll_is_finite(lopt: LearnedOptimizer):
     theta = lopt.init(jax.random.PRNGKey(2))
@@ -182,3 +184,44 @@ def test_mlp_lopt_vmap_over_thetas_population():
     assert state.params.shape == (4, 6) and losses.shape == (4,)
     np.testing.assert_array_equal(state.iteration, [3, 3, 3, 3])
     assert bool(jnp.all(jnp.isfinite(losses)))
+
+
+def test_adam_mlp_lopt_is_adam_until_trained_and_then_is_not():
+    lopt = AdamMLPLOpt(initial_lr=0.05)
+    theta = lopt.init(jax.random.PRNGKey(0))
+    assert lopt.num_features == theta["mlp"]["linear_0"]["w"].shape[0]
+    run = jax.jit(lambda th: _unroll(lopt.opt_fn(th), TASK_PARAM, KEY, 8))
+    state, _ = run(theta)
+    ref_state, _ = _unroll(Adam(0.05, 0.9, 0.999, 1e-8), TASK_PARAM, KEY, 8)
+    assert isinstance(state, AdamMLPLOptState)
+    np.testing.assert_allclose(state.params, ref_state.params, rtol=2e-5, atol=1e-6)
+    assert int(state.iteration) == 8
+
+    # A nonzero output layer rescales and corrects the steps.
+    out = theta["mlp"]["linear_2"]
+    changed = {**theta, "mlp": {**theta["mlp"], "linear_2": {**out, "b": out["b"] + 0.5}}}
+    changed_state, _ = run(changed)
+    assert float(jnp.max(jnp.abs(changed_state.params - ref_state.params))) > 1e-3
+
+
+def test_adam_mlp_lopt_horizon_features_stretch_with_the_horizon():
+    lopt = AdamMLPLOpt()
+    n_short = len(lopt.timescales)
+    at_trained = lopt.shared_features(jnp.float32(40.0), jnp.float32(200.0))
+    at_5x = lopt.shared_features(jnp.float32(200.0), jnp.float32(1000.0))
+    # The same fraction of the run gives the same horizon features ...
+    np.testing.assert_allclose(at_trained[n_short:], at_5x[n_short:], rtol=1e-6)
+    # ... and late in a 5x run every input is still one seen late in training.
+    late_trained = lopt.shared_features(jnp.float32(190.0), jnp.float32(200.0))
+    late_5x = lopt.shared_features(jnp.float32(950.0), jnp.float32(1000.0))
+    np.testing.assert_allclose(late_trained, late_5x, atol=1e-3)
+
+
+def test_adam_mlp_lopt_refuses_a_missing_horizon_and_a_foreign_beta1():
+    opt = AdamMLPLOpt().opt_fn(AdamMLPLOpt().init(KEY))
+    with pytest.raises(ValueError, match="num_steps"):
+        opt.init(jnp.zeros(3))
+    with pytest.raises(ValueError, match="beta1"):
+        AdamMLPLOpt(beta1=0.95)
+    with pytest.raises(ValueError, match="initial_lr"):
+        AdamMLPLOpt(initial_lr=0.0)

@@ -1,10 +1,13 @@
 """Learned optimizers: theta -> Optimizer."""
 
+from popmeta.core.learned_optimizers.adam_mlp_lopt import AdamMLPLOpt, AdamMLPLOptState
 from popmeta.core.learned_optimizers.base import LearnedOptimizer
 from popmeta.core.learned_optimizers.learnable import LearnableAdam, LearnableSGD, LearnableSGDM
 from popmeta.core.learned_optimizers.mlp_lopt import MLPLOpt, MLPLOptState
 
 __all__ = [
+    "AdamMLPLOpt",
+    "AdamMLPLOptState",
     "LearnableAdam",
     "LearnableSGD",
     "LearnableSGDM",

@@ -50,10 +50,17 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
+from popmeta.core.learned_optimizers.features import (
+    mlp_apply,
+    mlp_init,
+    num_per_parameter_features,
+    per_parameter_features,
+    update_accumulators,
+    zero_accumulators,
+)
 from popmeta.core.optimizers import Optimizer
 
 __all__ = ["MLPLOpt", "MLPLOptState"]
@@ -83,20 +90,6 @@ class MLPLOptState(NamedTuple):
     replace = tree_utils.replace
 
 
-def _second_moment_normalize(x: jax.Array, axes: tuple[int, ...], eps: float = 1e-5) -> jax.Array:
-    return x * jax.lax.rsqrt(eps + jnp.mean(jnp.square(x), axis=axes, keepdims=True))
-
-
-def _mlp_apply(theta: MetaParams, x: jax.Array) -> jax.Array:
-    n_layers = len(theta)
-    for i in range(n_layers):
-        layer = theta[f"linear_{i}"]
-        x = x @ layer["w"] + layer["b"]
-        if i < n_layers - 1:
-            x = jax.nn.relu(x)
-    return x
-
-
 class _MLPLOptOptimizer(Optimizer):
     """The inner optimizer of one ``theta`` (may be a tracer)."""
 
@@ -108,11 +101,11 @@ class _MLPLOptOptimizer(Optimizer):
         self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
     ) -> MLPLOptState:
         del num_steps, key
-        n = len(self._lopt.decays)
+        momentums, rms = zero_accumulators(params, len(self._lopt.decays))
         return MLPLOptState(
             params=params,
-            momentums=jax.tree.map(lambda p: jnp.zeros((*jnp.shape(p), n), jnp.float32), params),
-            rms=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params),
+            momentums=momentums,
+            rms=rms,
             iteration=jnp.asarray(0, jnp.int32),
         )
 
@@ -125,14 +118,8 @@ class _MLPLOptOptimizer(Optimizer):
     ) -> MLPLOptState:
         del loss, key
         lopt = self._lopt
-        decays = jnp.asarray(lopt.decays, jnp.float32)
-        rms_decay = jnp.float32(lopt.rms_decay)
-
-        momentums = jax.tree.map(
-            lambda m, g: decays * m + (1.0 - decays) * g[..., None], state.momentums, grad
-        )
-        rms = jax.tree.map(
-            lambda v, g: rms_decay * v + (1.0 - rms_decay) * jnp.square(g), state.rms, grad
+        momentums, rms = update_accumulators(
+            state.momentums, state.rms, grad, lopt.decays, lopt.rms_decay
         )
         # Features use the iteration of the step being taken (0 on the first).
         time_features = jnp.tanh(
@@ -141,28 +128,12 @@ class _MLPLOptOptimizer(Optimizer):
         )
 
         def update_tensor(p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array) -> jax.Array:
-            shape = p.shape
-            # The tensor-wide normalisation needs at least one axis.
-            if not shape:
-                p, g, m, v = p[None], g[None], m[None], v[None]
-            inv_rms = jax.lax.rsqrt(v + lopt.epsilon)
-            per_param = jnp.concatenate(
-                [
-                    p[..., None],
-                    g[..., None],
-                    m,
-                    v[..., None],
-                    m * inv_rms[..., None],
-                    inv_rms[..., None],
-                ],
-                axis=-1,
-            )
-            per_param = _second_moment_normalize(per_param, tuple(range(p.ndim)))
-            shared = jnp.broadcast_to(time_features, (*p.shape, time_features.shape[0]))
-            out = _mlp_apply(self._theta, jnp.concatenate([per_param, shared], axis=-1))
+            per_param = per_parameter_features(p, g, m, v, lopt.epsilon)
+            shared = jnp.broadcast_to(time_features, (*per_param.shape[:-1], time_features.size))
+            out = mlp_apply(self._theta, jnp.concatenate([per_param, shared], axis=-1))
             direction, magnitude = out[..., 0], out[..., 1]
             step = direction * jnp.exp(magnitude * lopt.magnitude_multiplier) * lopt.step_multiplier
-            return jnp.reshape(p - step.astype(p.dtype), shape)
+            return jnp.reshape(p - step.astype(p.dtype), p.shape)
 
         params = jax.tree.map(update_tensor, state.params, grad, momentums, rms)
         return MLPLOptState(
@@ -220,21 +191,11 @@ class MLPLOpt(LearnedOptimizer):
     @property
     def num_features(self) -> int:
         """Width of the MLP input (19 with the defaults)."""
-        return 2 + 2 * len(self.decays) + 2 + len(self.timescales)
+        return num_per_parameter_features(len(self.decays)) + len(self.timescales)
 
     def init(self, key: jax.Array) -> MetaParams:
         sizes = (self.num_features, *([self.hidden_size] * self.hidden_layers), 2)
-        keys = jax.random.split(key, len(sizes) - 1)
-        theta = {}
-        for i, (k, fan_in, fan_out) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True)):
-            # Haiku's default Linear init (truncated normal, std 1/sqrt(fan_in)),
-            # as the reference MLPLOpt uses.
-            w = jax.random.truncated_normal(k, -2.0, 2.0, (fan_in, fan_out), jnp.float32)
-            w = w / np.float32(np.sqrt(fan_in))
-            if i == len(sizes) - 2:
-                w = w * np.float32(self.output_init_scale)
-            theta[f"linear_{i}"] = {"w": w, "b": jnp.zeros((fan_out,), jnp.float32)}
-        return theta
+        return mlp_init(key, sizes, self.output_init_scale)
 
     def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
         del is_training

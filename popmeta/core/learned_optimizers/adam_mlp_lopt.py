@@ -1,0 +1,228 @@
+"""AdamMLPLOpt: Adam, rescaled and corrected per parameter by a learned MLP that knows the horizon.
+
+A per-parameter MLP learned optimizer, like
+:class:`~popmeta.core.learned_optimizers.MLPLOpt`, built on a *nominal* Adam
+step rather than from nothing (the idea of the "nominal" terms in the
+reference library's hyperparameter-controller and VeLO optimizers):
+
+    a    = m_hat / (sqrt(v_hat) + epsilon)          (Adam's direction, bias-corrected)
+    d, s = MLP(features)                            (per parameter)
+    p   <- p - exp(log_lr) * exp(s) * (a + d)
+
+The output layer starts at zero, so an untrained theta *is* Adam with
+learning rate ``initial_lr`` and betas ``(beta1, rms_decay)``. Meta-training
+then only has to find what beats Adam (a schedule, per-parameter rescaling, a
+correction to the direction), which a short ES run can; a learned optimizer
+started from "do nothing" spends most of a short run learning to be Adam.
+
+Inputs per parameter: the 10 features of MLPLOpt (``p``, ``g``, momentums for
+``decays``, ``v``, the ratios ``m / sqrt(v)``, ``1 / sqrt(v)``, each
+normalised over its tensor) and shared time features:
+
+* ``tanh(iteration / timescale - 1)`` for the short ``timescales`` (1 to 30
+  steps): where the run is in its first steps, when the accumulators are
+  still filling;
+* the *horizon* features ``f = iteration / num_steps`` and
+  ``tanh(8 (f - c))`` for ``c`` in ``horizon_centers``: how far through its
+  planned run the inner problem is. ``num_steps`` is what
+  :meth:`Optimizer.init` receives: the trajectory length in meta-training,
+  the evaluation's step count at meta-test. So a schedule learned at one
+  horizon stretches to another, as cosine decay does, and every input stays in
+  the range seen in training at 5x the horizon: with time features in absolute
+  steps only (MLPLOpt's, up to 10,000), a longer run feeds the MLP inputs it
+  never saw. Under a never-ending truncation schedule ``num_steps`` is
+  int32's maximum and ``f`` stays near 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from popmeta.core import tree_utils
+from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
+from popmeta.core.learned_optimizers.features import (
+    mlp_apply,
+    mlp_init,
+    num_per_parameter_features,
+    per_parameter_features,
+    update_accumulators,
+    zero_accumulators,
+)
+from popmeta.core.optimizers import Optimizer
+
+__all__ = ["AdamMLPLOpt", "AdamMLPLOptState"]
+
+Params = Any
+
+DEFAULT_DECAYS: tuple[float, ...] = (0.5, 0.9, 0.99)
+SHORT_TIMESCALES: tuple[float, ...] = (1, 3, 10, 30)
+HORIZON_CENTERS: tuple[float, ...] = (0.1, 0.5, 0.9)
+#: Sharpness of the ``tanh(8 (f - c))`` horizon features.
+_HORIZON_SHARPNESS = 8.0
+
+
+class AdamMLPLOptState(NamedTuple):
+    """State of the optimizer produced by :class:`AdamMLPLOpt`.
+
+    Attributes:
+      params: Current parameters.
+      momentums: Params-shaped pytree; each leaf has a trailing axis of size
+        ``len(decays)`` holding the gradient EMAs.
+      rms: Params-shaped pytree of squared-gradient EMAs.
+      iteration: Number of updates applied so far (int32 scalar).
+      num_steps: Planned length of the inner run (float32 scalar), the
+        denominator of the horizon features.
+    """
+
+    params: Params
+    momentums: Params
+    rms: Params
+    iteration: jax.Array
+    num_steps: jax.Array
+
+    replace = tree_utils.replace
+
+
+class _AdamMLPLOptOptimizer(Optimizer):
+    """The inner optimizer of one ``theta`` (may be a tracer)."""
+
+    def __init__(self, lopt: AdamMLPLOpt, theta: MetaParams):
+        self._lopt = lopt
+        self._theta = theta
+
+    def init(
+        self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
+    ) -> AdamMLPLOptState:
+        del key
+        if num_steps is None:
+            raise ValueError(
+                "AdamMLPLOpt reads how far through its run it is: pass num_steps, the planned "
+                "number of inner steps, to init(params, num_steps=...)"
+            )
+        momentums, rms = zero_accumulators(params, len(self._lopt.decays))
+        return AdamMLPLOptState(
+            params=params,
+            momentums=momentums,
+            rms=rms,
+            iteration=jnp.asarray(0, jnp.int32),
+            num_steps=jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0),
+        )
+
+    def update(
+        self,
+        state: AdamMLPLOptState,
+        grad: Params,
+        loss: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> AdamMLPLOptState:
+        del loss, key
+        lopt = self._lopt
+        momentums, rms = update_accumulators(
+            state.momentums, state.rms, grad, lopt.decays, lopt.rms_decay
+        )
+        iteration = jnp.asarray(state.iteration, jnp.float32)
+        shared = lopt.shared_features(iteration, state.num_steps)
+        # Adam's bias corrections for the step being taken (the first is step 1).
+        t = iteration + 1.0
+        momentum_correction = 1.0 - jnp.float32(lopt.beta1) ** t
+        rms_correction = 1.0 - jnp.float32(lopt.rms_decay) ** t
+        lr = jnp.exp(self._theta["log_lr"])
+
+        def update_tensor(p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array) -> jax.Array:
+            m_hat = m[..., lopt.beta1_index] / momentum_correction
+            v_hat = v / rms_correction
+            adam_direction = m_hat / (jnp.sqrt(v_hat) + lopt.epsilon)
+            per_param = per_parameter_features(p, g, m, v, lopt.epsilon)
+            inputs = jnp.concatenate(
+                [per_param, jnp.broadcast_to(shared, (*per_param.shape[:-1], shared.size))],
+                axis=-1,
+            )
+            out = jnp.reshape(mlp_apply(self._theta["mlp"], inputs), (*p.shape, 2))
+            correction, log_scale = out[..., 0], out[..., 1]
+            step = lr * jnp.exp(log_scale) * (adam_direction + correction)
+            return p - step.astype(p.dtype)
+
+        params = jax.tree.map(update_tensor, state.params, grad, momentums, rms)
+        return state._replace(
+            params=params, momentums=momentums, rms=rms, iteration=state.iteration + 1
+        )
+
+
+class AdamMLPLOpt(LearnedOptimizer):
+    """Adam with a learned per-parameter rescaling and correction (see the module docstring).
+
+    Theta is ``{"log_lr": scalar, "mlp": {"linear_i": {"w", "b"}}}``: the
+    nominal learning rate and an MLP of ``hidden_layers`` hidden layers of
+    ``hidden_size`` relu units whose 2-unit output layer starts at zero.
+    """
+
+    def __init__(
+        self,
+        initial_lr: float = 1e-2,
+        beta1: float = 0.9,
+        hidden_size: int = 32,
+        hidden_layers: int = 2,
+        decays: Sequence[float] = DEFAULT_DECAYS,
+        rms_decay: float = 0.999,
+        timescales: Sequence[float] = SHORT_TIMESCALES,
+        horizon_centers: Sequence[float] = HORIZON_CENTERS,
+        epsilon: float = 1e-8,
+    ):
+        """Builds the learned optimizer.
+
+        Args:
+          initial_lr: Nominal learning rate of the untrained optimizer (Adam's).
+          beta1: Adam's first-moment decay; must be one of ``decays``.
+          hidden_size: Width of each hidden layer.
+          hidden_layers: Number of hidden layers.
+          decays: Momentum EMA decays, one feature (and one ratio feature) each.
+          rms_decay: Decay of the squared-gradient EMA (Adam's beta2).
+          timescales: Iteration timescales of the short time features.
+          horizon_centers: Fractions of the run where a ``tanh`` horizon feature
+            switches sign.
+          epsilon: Adam's epsilon, also added before ``rsqrt`` in the features.
+        """
+        if not initial_lr > 0:
+            raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
+        self.decays = tuple(float(d) for d in decays)
+        if float(beta1) not in self.decays:
+            raise ValueError(f"beta1 ({beta1!r}) must be one of decays {self.decays}")
+        self.initial_lr = float(initial_lr)
+        self.beta1 = float(beta1)
+        self.beta1_index = self.decays.index(float(beta1))
+        self.hidden_size = hidden_size
+        self.hidden_layers = hidden_layers
+        self.rms_decay = float(rms_decay)
+        self.timescales = tuple(float(t) for t in timescales)
+        self.horizon_centers = tuple(float(c) for c in horizon_centers)
+        self.epsilon = float(epsilon)
+
+    @property
+    def num_features(self) -> int:
+        """Width of the MLP input (18 with the defaults)."""
+        shared = len(self.timescales) + 1 + len(self.horizon_centers)
+        return num_per_parameter_features(len(self.decays)) + shared
+
+    def shared_features(self, iteration: jax.Array, num_steps: jax.Array) -> jax.Array:
+        """The time and horizon features every parameter reads at ``iteration``."""
+        short = jnp.tanh(iteration / jnp.asarray(self.timescales, jnp.float32) - 1.0)
+        fraction = iteration / num_steps
+        centers = jnp.asarray(self.horizon_centers, jnp.float32)
+        horizon = jnp.tanh(_HORIZON_SHARPNESS * (fraction - centers))
+        return jnp.concatenate([short, fraction[None], horizon])
+
+    def init(self, key: jax.Array) -> MetaParams:
+        sizes = (self.num_features, *([self.hidden_size] * self.hidden_layers), 2)
+        return {
+            "log_lr": jnp.asarray(np.log(self.initial_lr), jnp.float32),
+            "mlp": mlp_init(key, sizes, output_init_scale=0.0),
+        }
+
+    def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
+        del is_training
+        return _AdamMLPLOptOptimizer(self, theta)
