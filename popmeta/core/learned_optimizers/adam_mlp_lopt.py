@@ -1,9 +1,8 @@
 """AdamMLPLOpt: Adam, rescaled and corrected per parameter by a learned MLP that knows the horizon.
 
 A per-parameter MLP learned optimizer, like
-:class:`~popmeta.core.learned_optimizers.MLPLOpt`, built on a *nominal* Adam
-step rather than from nothing (the idea of the "nominal" terms in the
-reference library's hyperparameter-controller and VeLO optimizers):
+:class:`~popmeta.core.learned_optimizers.MLPLOpt`, built on Adam's step
+rather than from nothing:
 
     a    = m_hat / (sqrt(v_hat) + epsilon)          (Adam's direction, bias-corrected)
     d, s = MLP(features)                            (per parameter)
@@ -46,10 +45,10 @@ import numpy as np
 from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
 from popmeta.core.learned_optimizers.features import (
-    mlp_apply,
+    DEFAULT_DECAYS,
     mlp_init,
     num_per_parameter_features,
-    per_parameter_features,
+    per_parameter_mlp,
     update_accumulators,
     zero_accumulators,
 )
@@ -59,7 +58,6 @@ __all__ = ["AdamMLPLOpt", "AdamMLPLOptState"]
 
 Params = Any
 
-DEFAULT_DECAYS: tuple[float, ...] = (0.5, 0.9, 0.99)
 SHORT_TIMESCALES: tuple[float, ...] = (1, 3, 10, 30)
 HORIZON_CENTERS: tuple[float, ...] = (0.1, 0.5, 0.9)
 #: Sharpness of the ``tanh(8 (f - c))`` horizon features.
@@ -137,12 +135,7 @@ class _AdamMLPLOptOptimizer(Optimizer):
             m_hat = m[..., lopt.beta1_index] / momentum_correction
             v_hat = v / rms_correction
             adam_direction = m_hat / (jnp.sqrt(v_hat) + lopt.epsilon)
-            per_param = per_parameter_features(p, g, m, v, lopt.epsilon)
-            inputs = jnp.concatenate(
-                [per_param, jnp.broadcast_to(shared, (*per_param.shape[:-1], shared.size))],
-                axis=-1,
-            )
-            out = jnp.reshape(mlp_apply(self._theta["mlp"], inputs), (*p.shape, 2))
+            out = per_parameter_mlp(self._theta["mlp"], p, g, m, v, shared, lopt.epsilon)
             correction, log_scale = out[..., 0], out[..., 1]
             step = lr * jnp.exp(log_scale) * (adam_direction + correction)
             return p - step.astype(p.dtype)

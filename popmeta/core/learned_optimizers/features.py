@@ -17,24 +17,27 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "NUM_PER_PARAMETER_BASE",
+    "DEFAULT_DECAYS",
     "mlp_apply",
     "mlp_init",
     "num_per_parameter_features",
     "per_parameter_features",
+    "per_parameter_mlp",
     "update_accumulators",
     "zero_accumulators",
 ]
 
 Params = Any
 
+#: Momentum EMA decays of the reference MLPLOpt.
+DEFAULT_DECAYS: tuple[float, ...] = (0.5, 0.9, 0.99)
 #: Per-parameter features besides the per-decay ones: ``p``, ``g``, ``v``, ``1/sqrt(v)``.
-NUM_PER_PARAMETER_BASE = 4
+_NUM_PER_PARAMETER_BASE = 4
 
 
 def num_per_parameter_features(num_decays: int) -> int:
     """Width of :func:`per_parameter_features` for ``num_decays`` momentum decays."""
-    return NUM_PER_PARAMETER_BASE + 2 * num_decays
+    return _NUM_PER_PARAMETER_BASE + 2 * num_decays
 
 
 def zero_accumulators(params: Params, num_decays: int) -> tuple[Params, Params]:
@@ -109,3 +112,24 @@ def mlp_apply(theta: Params, x: jax.Array) -> jax.Array:
         if i < n_layers - 1:
             x = jax.nn.relu(x)
     return x
+
+
+def per_parameter_mlp(
+    theta: Params,
+    p: jax.Array,
+    g: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    shared: jax.Array,
+    epsilon: float,
+) -> jax.Array:
+    """The MLP's two outputs for every element of one tensor, ``[*p.shape, 2]``.
+
+    Its input per element is :func:`per_parameter_features` followed by the
+    ``shared`` features (a vector every element of every tensor reads).
+    """
+    per_param = per_parameter_features(p, g, m, v, epsilon)
+    inputs = jnp.concatenate(
+        [per_param, jnp.broadcast_to(shared, (*per_param.shape[:-1], shared.size))], axis=-1
+    )
+    return jnp.reshape(mlp_apply(theta, inputs), (*p.shape, 2))

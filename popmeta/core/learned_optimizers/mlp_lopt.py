@@ -54,10 +54,10 @@ import jax.numpy as jnp
 from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
 from popmeta.core.learned_optimizers.features import (
-    mlp_apply,
+    DEFAULT_DECAYS,
     mlp_init,
     num_per_parameter_features,
-    per_parameter_features,
+    per_parameter_mlp,
     update_accumulators,
     zero_accumulators,
 )
@@ -67,7 +67,6 @@ __all__ = ["MLPLOpt", "MLPLOptState"]
 
 Params = Any
 
-DEFAULT_DECAYS: tuple[float, ...] = (0.5, 0.9, 0.99)
 DEFAULT_TIMESCALES: tuple[float, ...] = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
 
 
@@ -128,12 +127,10 @@ class _MLPLOptOptimizer(Optimizer):
         )
 
         def update_tensor(p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array) -> jax.Array:
-            per_param = per_parameter_features(p, g, m, v, lopt.epsilon)
-            shared = jnp.broadcast_to(time_features, (*per_param.shape[:-1], time_features.size))
-            out = mlp_apply(self._theta, jnp.concatenate([per_param, shared], axis=-1))
+            out = per_parameter_mlp(self._theta, p, g, m, v, time_features, lopt.epsilon)
             direction, magnitude = out[..., 0], out[..., 1]
             step = direction * jnp.exp(magnitude * lopt.magnitude_multiplier) * lopt.step_multiplier
-            return jnp.reshape(p - step.astype(p.dtype), p.shape)
+            return p - step.astype(p.dtype)
 
         params = jax.tree.map(update_tensor, state.params, grad, momentums, rms)
         return MLPLOptState(
