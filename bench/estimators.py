@@ -1,25 +1,35 @@
 """Estimator throughput: inner-steps/s, peak memory and achieved GFLOP/s, side by side.
 
-Run: ``python bench/estimators.py [--seconds 5] [--configs a,b,c,d]``
+Run: ``python bench/estimators.py [--seconds 5] [--configs a,b,c,d] [--compare-with DIR]``
 
 Each configuration runs in its own subprocess (so its peak RSS is its own):
 the estimator's jitted truncation plus the learner's jitted, donating outer
-Adam step, timed over ``--seconds`` after compilation and warm-up. Inner steps
-count every task and every antithetic member. It prints absolute numbers
-only, and the achieved GFLOP/s as a share of the dense matmul peak measured
-in the same run: a ratio against another system counts only when both ran
-side by side, which this script does not do (the README's reference table
-says how that comparison was made).
+Adam step, timed after compilation and warm-up in rounds of one second, of
+which the median is reported (a shared machine's hiccups land in a few
+rounds, not in the figure). Inner steps count every task and every
+antithetic member. It prints absolute numbers, and the achieved GFLOP/s as a
+share of the dense matmul peak measured in the same run.
+
+``--compare-with DIR`` names another checkout of popmeta (e.g. ``git worktree
+add /tmp/before <commit>``): each configuration then runs alternately from
+that tree and from this one, ``--repeats`` times each, and the ratio printed
+is of the two medians measured side by side in this run. That is the only
+kind of ratio this script prints; the README's reference table says how its
+comparison with another library was made.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 CONFIGS = {
     "a": "PES + LearnableSGDM, quadratic(10)",
@@ -51,8 +61,14 @@ def _build(name: str):
     return lopt, estimator
 
 
-def _flops_per_inner_step(name: str, theta) -> float | None:
-    """Analytic matmul FLOPs of one inner step of the image task (elementwise ops ignored)."""
+def _flops_per_inner_step(name: str, lopt) -> float | None:
+    """Matmul FLOPs one inner step of the image task executes (elementwise ops ignored).
+
+    The task's forward and backward passes, and the learned optimizer's MLP on
+    every parameter. Its shared time features enter the first layer once per
+    tensor, not once per parameter, so the first layer counts only the
+    per-parameter features: the work done, not the work the formula names.
+    """
     if name != "c":
         return None
     import jax
@@ -65,8 +81,12 @@ def _flops_per_inner_step(name: str, theta) -> float | None:
     batch = 128
     task_flops = 3 * 2 * batch * sum(i * o for i, o in layers)  # forward + backward
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    lopt_layers = [x.shape for x in jax.tree_util.tree_leaves(theta) if x.ndim == 2]
-    lopt_flops = num_params * 2 * sum(i * o for i, o in lopt_layers)
+    widths = (
+        lopt.num_features - len(lopt.timescales),
+        *[lopt.hidden_size] * lopt.hidden_layers,
+        2,
+    )
+    lopt_flops = num_params * 2 * sum(i * o for i, o in itertools.pairwise(widths))
     return float(task_flops + lopt_flops)
 
 
@@ -78,7 +98,7 @@ def run_one(name: str, seconds: float) -> dict:
 
     lopt, estimator = _build(name)
     theta = lopt.init(jax.random.key(0))
-    flops_per_step = _flops_per_inner_step(name, theta)
+    flops_per_step = _flops_per_inner_step(name, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
     apply = build_apply_estimate_fn(donate_params_and_state=True)
     worker = estimator.init_worker_state(train_state.params, jax.random.key(2))
@@ -96,24 +116,29 @@ def run_one(name: str, seconds: float) -> dict:
     for i in range(3):
         one(i)
     jax.block_until_ready(train_state.params)
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(10):
-            one(count)
-            count += 1
-        jax.block_until_ready(train_state.params)
-    elapsed = time.perf_counter() - start
+    count, rates = 0, []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(rates) < 3:
+        round_count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 1.0:
+            for _ in range(5):
+                one(count)
+                count += 1
+                round_count += 1
+            jax.block_until_ready(train_state.params)
+        rates.append(round_count / (time.perf_counter() - start))
+    estimates_per_s = statistics.median(rates)
     steps_per_estimate = (
         estimator.num_members * estimator.truncated_step.num_tasks * (estimator.trunc_length)
     )
-    steps_per_s = count * steps_per_estimate / elapsed
+    steps_per_s = estimates_per_s * steps_per_estimate
     return {
         "config": name,
-        "estimates_per_s": count / elapsed,
+        "estimates_per_s": estimates_per_s,
         "inner_steps_per_s": steps_per_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "xla_temp_mb": temp_mb,
-        "gflops": None if flops_per_step is None else steps_per_s * flops_per_step / 1e9,
+        "flops_per_inner_step": flops_per_step,
     }
 
 
@@ -132,36 +157,75 @@ def matmul_peak_gflops(n: int = 1024, seconds: float = 2.0) -> float:
     return count * 2 * n**3 / (time.perf_counter() - start) / 1e9
 
 
+def _run_config(name: str, seconds: float, tree: Path | None) -> dict:
+    """One configuration in a fresh interpreter, importing popmeta from ``tree`` if given."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", name, "--seconds", str(seconds)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"config ({name}) from {tree or 'this tree'} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--configs", default="a,b,c,d")
+    parser.add_argument(
+        "--compare-with", type=Path, help="another popmeta checkout to run side by side"
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="runs per tree with --compare-with")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.seconds)))
         return
+    if args.compare_with is not None and not (args.compare_with / "popmeta").is_dir():
+        raise SystemExit(f"--compare-with {args.compare_with}: no popmeta package in it")
 
     import jax
 
     peak = matmul_peak_gflops()
     print(f"device: {jax.devices()[0].device_kind}, dense float32 matmul peak {peak:.1f} GFLOP/s")
     header = f"{'config':<44} {'inner-steps/s':>13} {'peak RSS MB':>11} {'XLA temp MB':>11} {'GFLOP/s':>8} {'of peak':>7}"
+    if args.compare_with is not None:
+        header += f" {'other tree':>13} {'ratio':>6}"
     print(header)
     for name in args.configs.split(","):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--seconds", str(args.seconds)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        gflops = "-" if r["gflops"] is None else f"{r['gflops']:.1f}"
-        share = "-" if r["gflops"] is None else f"{100 * r['gflops'] / peak:.0f}%"
-        print(
+        if name not in CONFIGS:
+            raise SystemExit(
+                f"--configs: unknown configuration {name!r}; known: {','.join(CONFIGS)}"
+            )
+        if args.compare_with is None:
+            r = _run_config(name, args.seconds, None)
+            other = None
+        else:
+            runs, others = [], []
+            for _ in range(args.repeats):
+                others.append(_run_config(name, args.seconds, args.compare_with))
+                runs.append(_run_config(name, args.seconds, None))
+            r = runs[0] | {
+                "inner_steps_per_s": statistics.median(x["inner_steps_per_s"] for x in runs),
+                "peak_rss_mb": max(x["peak_rss_mb"] for x in runs),
+            }
+            other = statistics.median(x["inner_steps_per_s"] for x in others)
+        flops = r["flops_per_inner_step"]
+        achieved = None if flops is None else r["inner_steps_per_s"] * flops / 1e9
+        gflops = "-" if achieved is None else f"{achieved:.1f}"
+        share = "-" if achieved is None else f"{100 * achieved / peak:.0f}%"
+        line = (
             f"({name}) {CONFIGS[name]:<40} {r['inner_steps_per_s']:>13,.0f} "
             f"{r['peak_rss_mb']:>11.0f} {r['xla_temp_mb']:>11.2f} {gflops:>8} {share:>7}"
         )
+        if other is not None:
+            line += f" {other:>13,.0f} {r['inner_steps_per_s'] / other:>5.2f}x"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -225,3 +225,65 @@ def test_adam_mlp_lopt_refuses_a_missing_horizon_and_a_foreign_beta1():
         AdamMLPLOpt(beta1=0.95)
     with pytest.raises(ValueError, match="initial_lr"):
         AdamMLPLOpt(initial_lr=0.0)
+
+
+def _mlp_lopt_update_one_parameter_at_a_time(lopt: MLPLOpt, theta, state, grad):
+    """MLPLOpt's update as its docstring states it: one input row per parameter, one MLP each.
+
+    The plain formulation the optimizer had before its MLP ran feature-major
+    over all tensors at once; kept here to pin the fast path to the same maths.
+    """
+    decays = jnp.asarray(lopt.decays)
+    momentums = jax.tree.map(
+        lambda m, g: decays * m + (1 - decays) * g[..., None], state.momentums, grad
+    )
+    rms = jax.tree.map(
+        lambda v, g: lopt.rms_decay * v + (1 - lopt.rms_decay) * g**2, state.rms, grad
+    )
+    time = jnp.tanh(state.iteration / jnp.asarray(lopt.timescales) - 1.0)
+
+    def one_tensor(p, g, m, v):
+        p, g, v = jnp.atleast_1d(p), jnp.atleast_1d(g), jnp.atleast_1d(v)  # a scalar: one element
+        m = m.reshape(*p.shape, -1)
+        inv = 1 / jnp.sqrt(v + lopt.epsilon)
+        f = jnp.concatenate(
+            [p[..., None], g[..., None], m, v[..., None], m * inv[..., None], inv[..., None]], -1
+        )
+        axes = tuple(range(p.ndim))
+        f = f / jnp.sqrt(1e-5 + jnp.mean(f**2, axis=axes, keepdims=True))
+        x = jnp.concatenate([f, jnp.broadcast_to(time, (*p.shape, time.size))], -1)
+        for i in range(len(theta)):
+            x = x @ theta[f"linear_{i}"]["w"] + theta[f"linear_{i}"]["b"]
+            x = jax.nn.relu(x) if i < len(theta) - 1 else x
+        step = x[..., 0] * jnp.exp(x[..., 1] * lopt.magnitude_multiplier) * lopt.step_multiplier
+        return p - step
+
+    params = jax.tree.map(
+        lambda p, *a: one_tensor(p, *a).reshape(p.shape), state.params, grad, momentums, rms
+    )
+    return MLPLOptState(params, momentums, rms, state.iteration + 1)
+
+
+@pytest.mark.parametrize("rows", [7, 40])  # 41 parameters (row-major path), 206 (feature-major)
+def test_mlp_lopt_fast_path_equals_the_per_parameter_formulation(rows: int):
+    lopt = MLPLOpt(output_init_scale=1.0)
+    # A population of distinct thetas, as a PES unroll vmaps over (members, tasks).
+    thetas = jax.vmap(lopt.init)(jax.random.split(KEY, 4))
+    params = {"w": jax.random.normal(KEY, (rows, 5)), "b": jnp.zeros(5), "s": jnp.float32(0.5)}
+    states = jax.vmap(lambda t: lopt.opt_fn(t).init(params))(thetas)
+    fast = jax.jit(jax.vmap(lambda t, s, g: lopt.opt_fn(t).update(s, g)))
+    plain = jax.jit(
+        jax.vmap(lambda t, s, g: _mlp_lopt_update_one_parameter_at_a_time(lopt, t, s, g))
+    )
+    for i in range(5):
+        leaves, treedef = jax.tree.flatten(states.params)
+        keys = jax.random.split(jax.random.fold_in(KEY, i), len(leaves))
+        grad = treedef.unflatten(
+            [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+        )
+        # Both sides step from the same state, so rounding differences do not compound.
+        expected = plain(thetas, states, grad)
+        states = fast(thetas, states, grad)
+        for got, want in zip(jax.tree.leaves(states), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    assert np.abs(states.params["w"] - params["w"]).mean() > 1e-4  # the steps were not all zero

@@ -131,16 +131,20 @@ class _AdamMLPLOptOptimizer(Optimizer):
         rms_correction = 1.0 - jnp.float32(lopt.rms_decay) ** t
         lr = jnp.exp(self._theta["log_lr"])
 
-        def update_tensor(p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array) -> jax.Array:
+        corrections, log_scales = per_parameter_mlp(
+            self._theta["mlp"], state.params, grad, momentums, rms, shared, lopt.epsilon
+        )
+
+        def update_tensor(
+            p: jax.Array, m: jax.Array, v: jax.Array, correction: jax.Array, log_scale: jax.Array
+        ) -> jax.Array:
             m_hat = m[..., lopt.beta1_index] / momentum_correction
             v_hat = v / rms_correction
             adam_direction = m_hat / (jnp.sqrt(v_hat) + lopt.epsilon)
-            out = per_parameter_mlp(self._theta["mlp"], p, g, m, v, shared, lopt.epsilon)
-            correction, log_scale = out[..., 0], out[..., 1]
             step = lr * jnp.exp(log_scale) * (adam_direction + correction)
             return p - step.astype(p.dtype)
 
-        params = jax.tree.map(update_tensor, state.params, grad, momentums, rms)
+        params = jax.tree.map(update_tensor, state.params, momentums, rms, corrections, log_scales)
         return state._replace(
             params=params, momentums=momentums, rms=rms, iteration=state.iteration + 1
         )

@@ -18,7 +18,6 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_DECAYS",
-    "mlp_apply",
     "mlp_init",
     "num_per_parameter_features",
     "per_parameter_features",
@@ -67,22 +66,22 @@ def _second_moment_normalize(x: jax.Array, axes: tuple[int, ...], eps: float = 1
 def per_parameter_features(
     p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array, epsilon: float
 ) -> jax.Array:
-    """``[*p.shape, 4 + 2 * num_decays]`` features of one tensor, normalised over the tensor.
+    """``[4 + 2 * num_decays, p.size]`` features of one tensor, normalised over the tensor.
 
-    In order: ``p``, ``g``, the momentums ``m`` (trailing axis), ``v``, the
+    Feature-major: row ``i`` holds feature ``i`` of every element of the
+    flattened tensor (the layout :func:`per_parameter_mlp` multiplies). In
+    order: ``p``, ``g``, the momentums ``m`` (one row per decay), ``v``, the
     Adam-like ratios ``m / sqrt(v + epsilon)`` and ``1 / sqrt(v + epsilon)``,
     each divided by its root mean square over the tensor, which makes the
     optimizer invariant to each tensor's gradient and parameter scale. A
     scalar tensor is treated as a tensor of one element.
     """
-    if not p.shape:
-        p, g, m, v = p[None], g[None], m[None], v[None]
+    size = p.size
+    p, g, v = p.reshape(1, size), g.reshape(1, size), v.reshape(1, size)
+    m = m.reshape(size, -1).T
     inv_rms = jax.lax.rsqrt(v + epsilon)
-    features = jnp.concatenate(
-        [p[..., None], g[..., None], m, v[..., None], m * inv_rms[..., None], inv_rms[..., None]],
-        axis=-1,
-    )
-    return _second_moment_normalize(features, tuple(range(p.ndim)))
+    features = jnp.concatenate([p, g, m, v, m * inv_rms, inv_rms], axis=0)
+    return _second_moment_normalize(features, (1,))
 
 
 def mlp_init(key: jax.Array, sizes: Sequence[int], output_init_scale: float) -> Params:
@@ -103,33 +102,110 @@ def mlp_init(key: jax.Array, sizes: Sequence[int], output_init_scale: float) -> 
     return theta
 
 
-def mlp_apply(theta: Params, x: jax.Array) -> jax.Array:
-    """The relu MLP of :func:`mlp_init` on the trailing axis of ``x``."""
+#: A layer runs as a sum of outer products (see below) if it has at most this many weights...
+_MAX_UNROLLED_WEIGHTS = 512
+#: ... or at most this many multiply-adds per call.
+_MAX_UNROLLED_MULTIPLY_ADDS = 1 << 20
+#: Inner problems with fewer parameters than this run the MLP row-major.
+_MIN_FEATURE_MAJOR_PARAMETERS = 64
+
+
+def _feature_major_linear(w: jax.Array, x: jax.Array) -> jax.Array:
+    """``w.T @ x`` for ``w`` of ``[fan_in, fan_out]`` and feature-major ``x`` of ``[fan_in, n]``.
+
+    A small layer (the first, reading ~10 features, and the 2-unit output
+    layer) is written as ``fan_in`` broadcast multiply-adds, which XLA fuses
+    into one elementwise loop with the bias and the activation around it; as
+    a dot under a vmap over tasks and members, XLA's CPU kernels ran these
+    shapes 1.4x (first layer) and 2.2x (output layer) slower. The 32x32
+    hidden layer stays a dot, which is faster there.
+    """
+    fan_in, fan_out = w.shape
+    weights = fan_in * fan_out
+    if weights > _MAX_UNROLLED_WEIGHTS and weights * x.shape[1] > _MAX_UNROLLED_MULTIPLY_ADDS:
+        return w.T @ x
+    out = w[0][:, None] * x[0][None, :]
+    for k in range(1, fan_in):
+        out = out + w[k][:, None] * x[k][None, :]
+    return out
+
+
+def _feature_major_mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
+    """The MLP on feature-major ``x``; the shared inputs' share of the first layer is a bias."""
+    num_per_parameter = x.shape[0]
+    n_layers = len(theta)
+    for i in range(n_layers):
+        layer = theta[f"linear_{i}"]
+        w, b = layer["w"], layer["b"]
+        if i == 0:
+            b = b + shared @ w[num_per_parameter:]
+            w = w[:num_per_parameter]
+        x = _feature_major_linear(w, x) + b[:, None]
+        if i < n_layers - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def _row_major_mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
+    """The MLP as one row of inputs per parameter, for inner problems of a few parameters.
+
+    With a few dozen columns the feature-major form's extra ops (the bias
+    product, the unrolled sums) cost more than they save; plain row-major
+    dots ran a 10-parameter problem's update about 1.4x faster.
+    """
+    x = jnp.concatenate([x.T, jnp.broadcast_to(shared, (x.shape[1], shared.size))], axis=1)
     n_layers = len(theta)
     for i in range(n_layers):
         layer = theta[f"linear_{i}"]
         x = x @ layer["w"] + layer["b"]
         if i < n_layers - 1:
             x = jax.nn.relu(x)
-    return x
+    return x.T
 
 
 def per_parameter_mlp(
     theta: Params,
-    p: jax.Array,
-    g: jax.Array,
-    m: jax.Array,
-    v: jax.Array,
+    params: Params,
+    grad: Params,
+    momentums: Params,
+    rms: Params,
     shared: jax.Array,
     epsilon: float,
-) -> jax.Array:
-    """The MLP's two outputs for every element of one tensor, ``[*p.shape, 2]``.
+) -> tuple[Params, Params]:
+    """The MLP's two outputs for every parameter, as two params-shaped pytrees.
 
-    Its input per element is :func:`per_parameter_features` followed by the
-    ``shared`` features (a vector every element of every tensor reads).
+    The MLP's input per parameter is :func:`per_parameter_features` of its
+    tensor followed by the ``shared`` features (a vector every parameter
+    reads), and the MLP is the relu MLP of :func:`mlp_init`. It is computed
+    the way XLA runs it fastest, and equals the MLP applied to each
+    parameter's input row up to float rounding: every tensor's features are
+    stacked into one feature-major ``[features, total parameters]`` matrix, so
+    each layer is one operation however many tensors the inner problem has,
+    and the shared features' share of the first layer is computed once, as a
+    bias, instead of once per parameter. Measured under a vmap over 16
+    members on 2 CPU cores, this ran MLPLOpt's update on a 2,410-parameter
+    MLP 2.9x faster than per-tensor row-major dots (1.4 ms against 4.0 ms),
+    and 1.8x on 100 parameters; below ``_MIN_FEATURE_MAJOR_PARAMETERS``
+    parameters row-major dots are faster, and are used.
     """
-    per_param = per_parameter_features(p, g, m, v, epsilon)
-    inputs = jnp.concatenate(
-        [per_param, jnp.broadcast_to(shared, (*per_param.shape[:-1], shared.size))], axis=-1
-    )
-    return jnp.reshape(mlp_apply(theta, inputs), (*p.shape, 2))
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    columns = [
+        per_parameter_features(p, g, m, v, epsilon)
+        for p, g, m, v in zip(
+            leaves,
+            treedef.flatten_up_to(grad),
+            treedef.flatten_up_to(momentums),
+            treedef.flatten_up_to(rms),
+            strict=True,
+        )
+    ]
+    x = jnp.concatenate(columns, axis=1)
+    if x.shape[1] < _MIN_FEATURE_MAJOR_PARAMETERS:
+        x = _row_major_mlp(theta, x, shared)
+    else:
+        x = _feature_major_mlp(theta, x, shared)
+    offsets = np.cumsum([p.size for p in leaves])[:-1]
+    outputs = jnp.split(x, offsets, axis=1)
+    first = [o[0].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
+    second = [o[1].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
+    return treedef.unflatten(first), treedef.unflatten(second)

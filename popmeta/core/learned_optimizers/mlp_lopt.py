@@ -126,13 +126,15 @@ class _MLPLOptOptimizer(Optimizer):
             - 1.0
         )
 
-        def update_tensor(p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array) -> jax.Array:
-            out = per_parameter_mlp(self._theta, p, g, m, v, time_features, lopt.epsilon)
-            direction, magnitude = out[..., 0], out[..., 1]
+        directions, magnitudes = per_parameter_mlp(
+            self._theta, state.params, grad, momentums, rms, time_features, lopt.epsilon
+        )
+
+        def update_tensor(p: jax.Array, direction: jax.Array, magnitude: jax.Array) -> jax.Array:
             step = direction * jnp.exp(magnitude * lopt.magnitude_multiplier) * lopt.step_multiplier
             return p - step.astype(p.dtype)
 
-        params = jax.tree.map(update_tensor, state.params, grad, momentums, rms)
+        params = jax.tree.map(update_tensor, state.params, directions, magnitudes)
         return MLPLOptState(
             params=params, momentums=momentums, rms=rms, iteration=state.iteration + 1
         )
