@@ -30,13 +30,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import jax
 import numpy as np
-import optax
 import ray
 
 from popmeta.config import load_config
 from popmeta.estimate import Estimate, aggregate
 from popmeta.learner.learner import Learner
-from popmeta.learner.train_state import TrainState, build_apply_estimate_fn
+from popmeta.learner.train_state import (
+    TrainState,
+    build_apply_estimate_fn,
+    make_outer_optimizer,
+)
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 
@@ -83,21 +86,25 @@ def inner_steps_per_s(config, population_cls, seconds: float) -> float:
 
 
 def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float, float]:
-    """Updates/s and estimates/s of the learner alone, for a theta of ``size`` floats."""
-    theta = {"w": np.zeros(size, np.float32)}
-    state = TrainState.initial_state(
-        jax.tree_util.tree_map(jax.numpy.asarray, theta), optax.adam(1e-3), jax.random.key(0)
-    )
+    """Updates/s and estimates/s of the learner alone, for a theta of ``size`` floats.
+
+    The estimates wait in Ray's object store, as actors leave them; each
+    update gets them (zero-copy numpy views), aggregates them, applies the
+    jitted, donating outer step (clip + Adam, the learner's default chain),
+    copies theta to the host and puts it in the object store once.
+    """
+    tx = make_outer_optimizer("adam", 1e-3)
+    state = TrainState.initial_state({"w": jax.numpy.zeros(size)}, tx, jax.random.key(0))
     apply = build_apply_estimate_fn(donate_params_and_state=True)
     rng = np.random.default_rng(0)
-    estimates = [
-        Estimate({"w": rng.normal(size=size).astype(np.float32)}, 1.0, 8.0, 0, i, {})
+    refs = [
+        ray.put(Estimate({"w": rng.normal(size=size).astype(np.float32)}, 1.0, 8.0, 0, i, {}))
         for i in range(batch_size)
     ]
 
     def update():
         nonlocal state
-        state, _ = apply(state, aggregate(estimates).grad)
+        state, _ = apply(state, aggregate(ray.get(refs)).grad)
         ray.put(jax.tree_util.tree_map(np.asarray, state.params))
 
     for _ in range(3):
@@ -114,7 +121,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--truncations-per-call", type=int, default=64)
+    parser.add_argument("--parts", default="1,2,3", help="which of the parts above to run")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     sec = args.seconds
     k = args.truncations_per_call
 
@@ -135,8 +144,6 @@ def main() -> None:
             both = "population.num_cpus=2"
             trunc_k = f"estimator.truncations_per_call={k}"
             pipelined = ["population.mode=async", "population.calls_in_flight=2"]
-            print("1. single-process engine vs Ray engine, 1 worker, same work (inner-steps/s)")
-            print(f"   {'work':<62} {'single':>10} {'ray':>10} {'ratio':>6} {'target':>6}")
             rows = [
                 ("c", "(c) PES + MLPLOpt, digits MLP: sync", [], [both], None),
                 (
@@ -169,9 +176,13 @@ def main() -> None:
                     0.8,
                 ),
             ]
-            for work, label, work_options, ray_options, target in rows:
-                single = inner_steps_per_s(_config(work, *work_options), LocalPopulation, sec)
-                ray_cfg = _config(work, *work_options, *ray_options)
+            if "1" in parts:
+                print("1. single-process engine vs Ray engine, 1 worker, same work (inner-steps/s)")
+                print(f"   {'work':<62} {'single':>10} {'ray':>10} {'ratio':>6} {'target':>6}")
+            for work, label, work_options, ray_options, target in rows if "1" in parts else ():
+                one_worker = [*work_options, "population.num_actors=1"]
+                single = inner_steps_per_s(_config(work, *one_worker), LocalPopulation, sec)
+                ray_cfg = _config(work, *one_worker, *ray_options)
                 distributed = inner_steps_per_s(ray_cfg, RayPopulation, sec)
                 tgt = "-" if target is None else f"{target:.1f}x"
                 print(
@@ -179,10 +190,6 @@ def main() -> None:
                     f"{distributed / single:>5.2f}x {tgt:>6}"
                 )
 
-            print(
-                "\n2. weak scaling on this 2-core machine, Ray engine, cores pinned (inner-steps/s)"
-            )
-            print(f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6}")
             scaling = [
                 ("(c) PES + MLPLOpt, digits MLP, async", "c", []),
                 (
@@ -191,7 +198,13 @@ def main() -> None:
                     [f"estimator.truncations_per_call={k}"],
                 ),
             ]
-            for label, work, extra in scaling:
+            if "2" in parts:
+                print(
+                    "\n2. weak scaling on this 2-core machine, Ray engine, cores pinned"
+                    " (inner-steps/s)"
+                )
+                print(f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6}")
+            for label, work, extra in scaling if "2" in parts else ():
                 rates = []
                 for n in (1, 2):
                     cfg = _config(
@@ -207,11 +220,18 @@ def main() -> None:
                     f"{rates[1] / rates[0]:>5.2f}x"
                 )
 
-            print("\n3. learner capacity, estimates arriving instantly (batch of 4 per update)")
-            print(f"   {'theta floats':>12} {'updates/s':>10} {'estimates/s':>12}")
-            for size in (1_000, 100_000, 1_000_000):
-                updates, estimates = learner_capacity(size, 4, sec / 2)
-                print(f"   {size:>12,} {updates:>10,.1f} {estimates:>12,.1f}")
+            if "3" in parts:
+                print("\n3. learner capacity, estimates waiting in the object store")
+                print(
+                    f"   {'theta floats':>12} {'per update':>10} {'updates/s':>10} {'estimates/s':>12}"
+                )
+            for size, batch in (
+                [(s, b) for s in (1_000, 100_000, 1_000_000) for b in (4, 16)]
+                if "3" in parts
+                else ()
+            ):
+                updates, estimates = learner_capacity(size, batch, sec / 2)
+                print(f"   {size:>12,} {batch:>10} {updates:>10,.1f} {estimates:>12,.1f}")
         finally:
             ray.shutdown()
 

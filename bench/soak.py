@@ -20,7 +20,12 @@ anything). Each mode stops by itself after ``--minutes`` and prints:
   median time between updates, the stall after each kill (longest time
   between updates within ``--kill-every`` seconds after it) and the update
   rate while a replacement starts: the cost of one actor loss;
-* whether theta stayed finite.
+* whether theta stayed finite;
+* memory: the resident set size (RSS) of the driver (learner) and of the
+  actors (largest live actor), sampled every 10 s; the samples one minute in
+  (after compilation and the first checkpoints of caches) and at the end, and
+  the largest. ``--kill-every 0`` kills nothing, for a run whose memory should
+  stay flat: ``python bench/soak.py --minutes 10 --kill-every 0 --mode sync``.
 
 ``--startup`` instead measures a replacement's time to first estimate: one
 sync actor is killed three times in each of three setups, JAX's persistent
@@ -99,6 +104,44 @@ def actor_processes() -> dict[int, str]:
         for pid, (ppid, cmd) in processes.items()
         if ppid in raylets and cmd.startswith(ACTOR_TITLE)
     }
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    """Resident set size of a process in MiB (0 if it has gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    kib = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return int(kib) / 1024
+
+
+class MemorySamples:
+    """RSS of the driver and of the largest live actor, sampled at most every ``every_s``."""
+
+    def __init__(self, start: float, every_s: float = 10.0):
+        self.start = start
+        self.every_s = every_s
+        self.samples: list[tuple[float, float, float]] = []  # (seconds in, driver, actor)
+
+    def maybe_sample(self) -> None:
+        now = time.monotonic()
+        if self.samples and now - self.start - self.samples[-1][0] < self.every_s:
+            return
+        actors = [rss_mb(pid) for pid in actor_processes()]
+        self.samples.append((now - self.start, rss_mb(), max(actors, default=0.0)))
+
+    def report(self) -> None:
+        if not self.samples:
+            return
+        first = next((s for s in self.samples if s[0] >= 60), self.samples[0])
+        last = self.samples[-1]
+        for label, i in (("driver", 1), ("largest actor", 2)):
+            print(
+                f"  RSS {label:<29} {first[i]:,.0f} MB at {first[0] / 60:.1f} min, "
+                f"{last[i]:,.0f} MB at {last[0] / 60:.1f} min "
+                f"(max {max(s[i] for s in self.samples):,.0f} MB)"
+            )
 
 
 class Killer(threading.Thread):
@@ -182,10 +225,13 @@ def soak(args: argparse.Namespace, mode: str) -> bool:
         start = time.monotonic()
         end = start + 60 * args.minutes
         killer = Killer(args.kill_every, end, seed=args.seed)
+        memory = MemorySamples(start)
         update_times.append(start)
-        killer.start()
+        if args.kill_every > 0:
+            killer.start()
         try:
             while time.monotonic() < end:
+                memory.maybe_sample()
                 gathered = population.gather(learner.theta(), learner.version)
                 counts["accepted"] += len(gathered.estimates)
                 counts["stale"] += sum(gathered.dropped_stale.values())
@@ -202,12 +248,15 @@ def soak(args: argparse.Namespace, mode: str) -> bool:
                 if learner.version % 1000 == 0 and not theta_is_finite(learner.theta()):
                     finite = False
                     break
+            memory.maybe_sample()
         finally:
             killer.stop.set()
-            killer.join()
+            if killer.is_alive():
+                killer.join()
             logger.removeHandler(ready_times)
     finite = finite and theta_is_finite(learner.theta())
     report(counts, update_times, killer.kills, ready_times.seconds, args.kill_every, finite)
+    memory.report()
     return finite
 
 
@@ -312,7 +361,9 @@ def startup(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=2.0)
-    parser.add_argument("--kill-every", type=float, default=5.0, help="seconds between kills")
+    parser.add_argument(
+        "--kill-every", type=float, default=5.0, help="seconds between kills (0: none)"
+    )
     parser.add_argument("--mode", choices=["sync", "async", "both"], default="both")
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"))

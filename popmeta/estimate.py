@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from popmeta.core.estimators import FAMILY_LOSS_METRIC
@@ -72,23 +73,71 @@ def is_finite_estimate(estimate: Estimate) -> bool:
     )
 
 
+#: Estimates of at least this many floats are summed by XLA, smaller ones by numpy.
+JIT_SUM_MIN_ELEMENTS = 1 << 18
+
+
+@jax.jit
+def _jit_weighted_sum(grads: list[Any], weights: jax.Array) -> tuple[Any, jax.Array]:
+    total = jax.tree_util.tree_map(lambda leaf: weights[0] * leaf, grads[0])
+    for i, grad in enumerate(grads[1:], start=1):
+        total = jax.tree_util.tree_map(lambda t, leaf, w=weights[i]: t + w * leaf, total, grad)
+    leaves = jax.tree_util.tree_leaves(total)
+    return total, jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def _weighted_sum(grads: list[Any], weights: np.ndarray) -> tuple[Any, bool]:
+    """``sum_i weights[i] * grads[i]`` in list order, and whether all of it is finite.
+
+    Large estimates go through one fused XLA pass (2 CPU threads, no numpy
+    temporaries), which their host arrays enter without a copy: on CPU
+    ``jax.device_put`` aliases aligned host arrays, and the arrays Ray returns
+    from its object store are aligned. Below :data:`JIT_SUM_MIN_ELEMENTS` the
+    call's fixed cost outweighs that and numpy sums them.
+    """
+    if sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(grads[0])) >= JIT_SUM_MIN_ELEMENTS:
+        total, finite = _jit_weighted_sum(jax.device_put(grads), weights)
+        return total, bool(finite)
+    total = jax.tree_util.tree_map(
+        lambda *leaves: sum(w * np.asarray(leaf) for w, leaf in zip(weights, leaves, strict=True)),
+        *grads,
+    )
+    return total, all(np.all(np.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(total))
+
+
 def aggregate(estimates: Sequence[Estimate]) -> Aggregate:
     """Weighted mean of the finite estimates, in the order given.
 
     Non-finite estimates are counted and never applied; estimates of zero
     weight contribute nothing. The order is part of the result (floating-point
     sums), so callers that need determinism pass estimates in worker-rank order.
+
+    The estimates are read once: a non-finite estimate is found from the sum
+    (a NaN or infinity in an estimate leaves one in the sum, since every
+    summed weight is positive), and only then are the estimates checked one by
+    one. Large estimates are summed in one XLA pass whose result the learner's
+    jitted update takes where it lies (see :func:`_weighted_sum`).
     """
-    usable = [e for e in estimates if is_finite_estimate(e) and e.weight > 0]
-    rejected = sum(not is_finite_estimate(e) for e in estimates)
-    total = float(sum(e.weight for e in usable))
-    if not usable:
-        return Aggregate(None, float("nan"), 0, rejected, 0.0)
-    weights = [np.float32(e.weight / total) for e in usable]
-    grad = jax.tree_util.tree_map(
-        lambda *leaves: sum(w * np.asarray(leaf) for w, leaf in zip(weights, leaves, strict=True)),
-        *[e.grad for e in usable],
+    usable = [e for e in estimates if e.weight > 0 and np.isfinite(e.mean_loss)]
+    rejected = sum(not np.isfinite(e.mean_loss) for e in estimates)
+    # Zero-weight estimates are never summed; check them here so they are counted.
+    rejected += sum(
+        not is_finite_estimate(e) for e in estimates if e.weight <= 0 and np.isfinite(e.mean_loss)
     )
+    grad = None
+    while usable:
+        total = float(sum(e.weight for e in usable))
+        weights = np.asarray([e.weight / total for e in usable], np.float32)
+        grad, finite = _weighted_sum([e.grad for e in usable], weights)
+        if finite:
+            break
+        finite_usable = [e for e in usable if is_finite_estimate(e)]
+        rejected += len(usable) - len(finite_usable)
+        if len(finite_usable) == len(usable):
+            break  # rounding overflowed a mean of finite estimates: apply it, as before
+        usable, grad = finite_usable, None
+    if grad is None:
+        return Aggregate(None, float("nan"), 0, rejected, 0.0)
     mean_loss = float(sum(w * e.mean_loss for w, e in zip(weights, usable, strict=True)))
     family_losses: dict[str, float] = {}
     for w, e in zip(weights, usable, strict=True):

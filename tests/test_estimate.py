@@ -3,30 +3,42 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from popmeta.estimate import Estimate, aggregate
+from popmeta.estimate import JIT_SUM_MIN_ELEMENTS, Estimate, aggregate
+
+# Estimates of 2 floats take the numpy sum, of JIT_SUM_MIN_ELEMENTS the jitted one.
+SIZES = pytest.mark.parametrize("reps", [1, JIT_SUM_MIN_ELEMENTS // 2])
 
 
-def _estimate(grad, weight=1.0, loss=1.0, worker=0):
-    return Estimate({"w": np.asarray(grad, np.float32)}, loss, weight, 0, worker, {})
+def _estimate(grad, weight=1.0, loss=1.0, worker=0, reps=1):
+    return Estimate({"w": np.tile(np.asarray(grad, np.float32), reps)}, loss, weight, 0, worker, {})
 
 
-def test_weighted_by_number_of_valid_samples():
-    agg = aggregate([_estimate([1.0, 0.0], weight=3, loss=2.0), _estimate([0.0, 1.0], weight=1)])
-    np.testing.assert_allclose(agg.grad["w"], [0.75, 0.25])
+@SIZES
+def test_weighted_by_number_of_valid_samples(reps):
+    agg = aggregate(
+        [
+            _estimate([1.0, 0.0], weight=3, loss=2.0, reps=reps),
+            _estimate([0.0, 1.0], weight=1, reps=reps),
+        ]
+    )
+    np.testing.assert_allclose(np.asarray(agg.grad["w"]), np.tile([0.75, 0.25], reps))
     assert agg.mean_loss == 1.75 and agg.num_used == 2 and agg.total_weight == 4
 
 
-def test_non_finite_estimates_are_rejected_and_counted():
+@SIZES
+def test_non_finite_estimates_are_rejected_and_counted(reps):
     agg = aggregate(
         [
-            _estimate([np.nan, 0.0]),
-            _estimate([1.0, 1.0], loss=np.inf),
-            _estimate([2.0, 4.0]),
+            _estimate([np.nan, 0.0], reps=reps),
+            _estimate([1.0, 1.0], loss=np.inf, reps=reps),
+            _estimate([2.0, 4.0], reps=reps),
+            _estimate([np.inf, 1.0], weight=2, reps=reps),
         ]
     )
-    np.testing.assert_allclose(agg.grad["w"], [2.0, 4.0])
-    assert agg.num_rejected_nonfinite == 2 and agg.num_used == 1
+    np.testing.assert_allclose(np.asarray(agg.grad["w"]), np.tile([2.0, 4.0], reps))
+    assert agg.num_rejected_nonfinite == 3 and agg.num_used == 1 and agg.total_weight == 1
 
 
 def test_nothing_usable_gives_no_gradient():

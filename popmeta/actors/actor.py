@@ -222,8 +222,9 @@ class EstimatorActor:
         """One gradient estimate on theta version ``version``.
 
         Args:
-          theta: the theta pytree; passed as the ObjectRef of the learner's
-            ``ray.put``, which Ray resolves before the call runs.
+          theta: the theta pytree; passed by value when small, else as the
+            ObjectRef of the learner's ``ray.put``, which Ray resolves before
+            the call runs.
           version: the learner version theta belongs to.
 
         Returns:

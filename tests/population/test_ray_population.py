@@ -20,6 +20,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import ray
@@ -29,6 +30,7 @@ from popmeta.estimate import aggregate
 from popmeta.experiment import initial_theta
 from popmeta.learner.checkpoints import restore_latest
 from popmeta.learner.learner import Learner
+from popmeta.population import ray_population
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
@@ -156,7 +158,7 @@ def test_async_updates_use_batch_size_estimates_within_the_staleness_bound(
 
 
 @pytest.mark.parametrize(("num_actors", "mode"), [(1, "sync"), (3, "async")])
-def test_theta_is_put_once_per_version(ray_session, monkeypatch, num_actors, mode):
+def test_theta_is_put_once_per_version_or_goes_inline(ray_session, monkeypatch, num_actors, mode):
     real_put = ray.put
     puts = []
 
@@ -165,6 +167,8 @@ def test_theta_is_put_once_per_version(ray_session, monkeypatch, num_actors, mod
         return real_put(value, *args, **kwargs)
 
     monkeypatch.setattr(ray, "put", counting_put)
+    # As if theta were larger than the inline limit: it goes through the object store.
+    monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", 0)
     steps = 5
     config = tiny_config(num_actors=num_actors, mode=mode, batch_size=num_actors)
     with RayPopulation(config) as population:
@@ -174,6 +178,14 @@ def test_theta_is_put_once_per_version(ray_session, monkeypatch, num_actors, mod
         # estimates) reuses that version's ref.
         population.gather(theta, steps)
         population.gather(theta, steps)
+        assert len(puts) == steps + 1
+        # Within the limit (the default for this theta) it rides inside each call.
+        monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", 64 * 1024)
+        assert sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(theta)) <= 64 * 1024
+        versions = set()
+        for _ in range(4):  # async: queued calls on older versions come back first
+            versions |= {e.version for e in population.gather(theta, steps + 1).estimates}
+        assert steps + 1 in versions
         assert len(puts) == steps + 1
 
 
