@@ -41,7 +41,7 @@ from popmeta.learner.train_state import (
     make_outer_optimizer,
 )
 from popmeta.population.local import LocalPopulation
-from popmeta.population.ray_population import RayPopulation
+from popmeta.population.ray_population import RayPopulation, theta_argument
 
 WORK = {
     "c": [
@@ -91,7 +91,8 @@ def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float,
     The estimates wait in Ray's object store, as actors leave them; each
     update gets them (zero-copy numpy views), aggregates them, applies the
     jitted, donating outer step (clip + Adam, the learner's default chain),
-    copies theta to the host and puts it in the object store once.
+    copies theta to the host and prepares it for the actors as the population
+    does (one ``ray.put``, or nothing for a theta small enough to go inline).
     """
     tx = make_outer_optimizer("adam", 1e-3)
     state = TrainState.initial_state({"w": jax.numpy.zeros(size)}, tx, jax.random.key(0))
@@ -105,7 +106,7 @@ def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float,
     def update():
         nonlocal state
         state, _ = apply(state, aggregate(ray.get(refs)).grad)
-        ray.put(jax.tree_util.tree_map(np.asarray, state.params))
+        theta_argument(jax.tree_util.tree_map(np.asarray, state.params))
 
     for _ in range(3):
         update()

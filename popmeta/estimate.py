@@ -8,6 +8,7 @@ all three, so each of them imports it without reaching into another.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -77,13 +78,17 @@ def is_finite_estimate(estimate: Estimate) -> bool:
 JIT_SUM_MIN_ELEMENTS = 1 << 18
 
 
-@jax.jit
-def _jit_weighted_sum(grads: list[Any], weights: jax.Array) -> tuple[Any, jax.Array]:
-    total = jax.tree_util.tree_map(lambda leaf: weights[0] * leaf, grads[0])
-    for i, grad in enumerate(grads[1:], start=1):
-        total = jax.tree_util.tree_map(lambda t, leaf, w=weights[i]: t + w * leaf, total, grad)
-    leaves = jax.tree_util.tree_leaves(total)
-    return total, jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+def _sum_and_check(grads: list[Any], weights: Any, xp: Any) -> tuple[Any, Any]:
+    """``sum_i weights[i] * grads[i]`` in list order with array module ``xp``, and its finiteness."""
+    total = jax.tree_util.tree_map(
+        lambda *leaves: sum(w * xp.asarray(leaf) for w, leaf in zip(weights, leaves, strict=True)),
+        *grads,
+    )
+    checks = [xp.all(xp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(total)]
+    return total, functools.reduce(xp.logical_and, checks)
+
+
+_jit_sum_and_check = jax.jit(functools.partial(_sum_and_check, xp=jnp))
 
 
 def _weighted_sum(grads: list[Any], weights: np.ndarray) -> tuple[Any, bool]:
@@ -96,13 +101,18 @@ def _weighted_sum(grads: list[Any], weights: np.ndarray) -> tuple[Any, bool]:
     call's fixed cost outweighs that and numpy sums them.
     """
     if sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(grads[0])) >= JIT_SUM_MIN_ELEMENTS:
-        total, finite = _jit_weighted_sum(jax.device_put(grads), weights)
-        return total, bool(finite)
-    total = jax.tree_util.tree_map(
-        lambda *leaves: sum(w * np.asarray(leaf) for w, leaf in zip(weights, leaves, strict=True)),
-        *grads,
-    )
-    return total, all(np.all(np.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(total))
+        total, finite = _jit_sum_and_check(jax.device_put(grads), weights)
+    else:
+        total, finite = _sum_and_check(grads, weights, np)
+    return total, bool(finite)
+
+
+def _weighted_mean(usable: Sequence[Estimate]) -> tuple[Any, np.ndarray, float, bool]:
+    """The estimates' mean weighted by ``weight``, the weights used, their total, finiteness."""
+    total = float(sum(e.weight for e in usable))
+    weights = np.asarray([e.weight / total for e in usable], np.float32)
+    grad, finite = _weighted_sum([e.grad for e in usable], weights)
+    return grad, weights, total, finite
 
 
 def aggregate(estimates: Sequence[Estimate]) -> Aggregate:
@@ -118,26 +128,23 @@ def aggregate(estimates: Sequence[Estimate]) -> Aggregate:
     one. Large estimates are summed in one XLA pass whose result the learner's
     jitted update takes where it lies (see :func:`_weighted_sum`).
     """
-    usable = [e for e in estimates if e.weight > 0 and np.isfinite(e.mean_loss)]
-    rejected = sum(not np.isfinite(e.mean_loss) for e in estimates)
+    finite_loss = [e for e in estimates if np.isfinite(e.mean_loss)]
+    rejected = len(estimates) - len(finite_loss)
     # Zero-weight estimates are never summed; check them here so they are counted.
-    rejected += sum(
-        not is_finite_estimate(e) for e in estimates if e.weight <= 0 and np.isfinite(e.mean_loss)
-    )
-    grad = None
-    while usable:
-        total = float(sum(e.weight for e in usable))
-        weights = np.asarray([e.weight / total for e in usable], np.float32)
-        grad, finite = _weighted_sum([e.grad for e in usable], weights)
-        if finite:
-            break
-        finite_usable = [e for e in usable if is_finite_estimate(e)]
-        rejected += len(usable) - len(finite_usable)
-        if len(finite_usable) == len(usable):
-            break  # rounding overflowed a mean of finite estimates: apply it, as before
-        usable, grad = finite_usable, None
-    if grad is None:
+    rejected += sum(not is_finite_estimate(e) for e in finite_loss if e.weight <= 0)
+    usable = [e for e in finite_loss if e.weight > 0]
+    if not usable:
         return Aggregate(None, float("nan"), 0, rejected, 0.0)
+    grad, weights, total, finite = _weighted_mean(usable)
+    if not finite:
+        finite_usable = [e for e in usable if is_finite_estimate(e)]
+        if not finite_usable:
+            return Aggregate(None, float("nan"), 0, rejected + len(usable), 0.0)
+        if len(finite_usable) < len(usable):
+            # Every estimate left is finite: the sum is applied as it comes out.
+            rejected += len(usable) - len(finite_usable)
+            usable = finite_usable
+            grad, weights, total, _ = _weighted_mean(usable)
     mean_loss = float(sum(w * e.mean_loss for w, e in zip(weights, usable, strict=True)))
     family_losses: dict[str, float] = {}
     for w, e in zip(weights, usable, strict=True):

@@ -94,7 +94,14 @@ from popmeta.estimate import Estimate
 from popmeta.population.base import Gathered, WorkerRestore
 from popmeta.population.supervisor import ActorSupervisor
 
-__all__ = ["STARVING_SPACINGS", "AsyncGather", "RayPopulation", "SyncGather", "starving_after"]
+__all__ = [
+    "STARVING_SPACINGS",
+    "AsyncGather",
+    "RayPopulation",
+    "SyncGather",
+    "starving_after",
+    "theta_argument",
+]
 
 log = logging.getLogger("popmeta")
 
@@ -105,6 +112,12 @@ INLINE_THETA_BYTES = 64 * 1024
 #: How many times the average spacing of one rank's accepted estimates an async
 #: rank may go without one before it is starving (see :func:`starving_after`).
 STARVING_SPACINGS = 8
+
+
+def theta_argument(theta: Any) -> Any:
+    """What actor calls receive for ``theta``: itself when small, else the ref of one ``ray.put``."""
+    nbytes = sum(np.asarray(leaf).nbytes for leaf in jax.tree_util.tree_leaves(theta))
+    return theta if nbytes <= INLINE_THETA_BYTES else ray.put(theta)
 
 
 def _submit(supervisor: ActorSupervisor, rank: int, theta_arg: Any, version: int) -> None:
@@ -333,11 +346,10 @@ class RayPopulation:
             raise RuntimeError("gather() on a closed RayPopulation")
         supervisor = self._supervisor
         restarts, lost = supervisor.num_restarts, supervisor.num_lost_calls
-        # One put per version: repeated gathers of one version (a round whose
-        # estimates were all unusable) reuse the ref.
+        # At most one put per version: repeated gathers of one version (a round
+        # whose estimates were all unusable) reuse the ref.
         if self._theta_version != version or self._theta_arg is None:
-            nbytes = sum(np.asarray(leaf).nbytes for leaf in jax.tree_util.tree_leaves(theta))
-            self._theta_arg = theta if nbytes <= INLINE_THETA_BYTES else ray.put(theta)
+            self._theta_arg = theta_argument(theta)
             self._theta_version = version
         self._mid_gather = True
         gathered = self._policy.gather(self._theta_arg, version)

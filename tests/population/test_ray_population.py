@@ -167,6 +167,7 @@ def test_theta_is_put_once_per_version_or_goes_inline(ray_session, monkeypatch, 
         return real_put(value, *args, **kwargs)
 
     monkeypatch.setattr(ray, "put", counting_put)
+    inline_limit = ray_population.INLINE_THETA_BYTES
     # As if theta were larger than the inline limit: it goes through the object store.
     monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", 0)
     steps = 5
@@ -180,8 +181,8 @@ def test_theta_is_put_once_per_version_or_goes_inline(ray_session, monkeypatch, 
         population.gather(theta, steps)
         assert len(puts) == steps + 1
         # Within the limit (the default for this theta) it rides inside each call.
-        monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", 64 * 1024)
-        assert sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(theta)) <= 64 * 1024
+        monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", inline_limit)
+        assert sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(theta)) <= inline_limit
         versions = set()
         for _ in range(4):  # async: queued calls on older versions come back first
             versions |= {e.version for e in population.gather(theta, steps + 1).estimates}

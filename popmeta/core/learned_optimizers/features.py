@@ -131,9 +131,19 @@ def _feature_major_linear(w: jax.Array, x: jax.Array) -> jax.Array:
     return out
 
 
-def _feature_major_mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
-    """The MLP on feature-major ``x``; the shared inputs' share of the first layer is a bias."""
+def _mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
+    """The MLP on feature-major inputs ``x`` of ``[features, n]``; ``[2, n]`` outputs.
+
+    The shared inputs' share of the first layer is a bias. Below
+    ``_MIN_FEATURE_MAJOR_PARAMETERS`` columns the layers run row-major, as
+    plain dots: with a few dozen parameters the feature-major form's unrolled
+    sums cost more than they save (a 10-parameter problem's update ran about
+    1.4x faster row-major).
+    """
+    feature_major = x.shape[1] >= _MIN_FEATURE_MAJOR_PARAMETERS
     num_per_parameter = x.shape[0]
+    if not feature_major:
+        x = x.T
     n_layers = len(theta)
     for i in range(n_layers):
         layer = theta[f"linear_{i}"]
@@ -141,27 +151,10 @@ def _feature_major_mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Ar
         if i == 0:
             b = b + shared @ w[num_per_parameter:]
             w = w[:num_per_parameter]
-        x = _feature_major_linear(w, x) + b[:, None]
+        x = _feature_major_linear(w, x) + b[:, None] if feature_major else x @ w + b
         if i < n_layers - 1:
             x = jax.nn.relu(x)
-    return x
-
-
-def _row_major_mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
-    """The MLP as one row of inputs per parameter, for inner problems of a few parameters.
-
-    With a few dozen columns the feature-major form's extra ops (the bias
-    product, the unrolled sums) cost more than they save; plain row-major
-    dots ran a 10-parameter problem's update about 1.4x faster.
-    """
-    x = jnp.concatenate([x.T, jnp.broadcast_to(shared, (x.shape[1], shared.size))], axis=1)
-    n_layers = len(theta)
-    for i in range(n_layers):
-        layer = theta[f"linear_{i}"]
-        x = x @ layer["w"] + layer["b"]
-        if i < n_layers - 1:
-            x = jax.nn.relu(x)
-    return x.T
+    return x if feature_major else x.T
 
 
 def per_parameter_mlp(
@@ -200,11 +193,7 @@ def per_parameter_mlp(
             strict=True,
         )
     ]
-    x = jnp.concatenate(columns, axis=1)
-    if x.shape[1] < _MIN_FEATURE_MAJOR_PARAMETERS:
-        x = _row_major_mlp(theta, x, shared)
-    else:
-        x = _feature_major_mlp(theta, x, shared)
+    x = _mlp(theta, jnp.concatenate(columns, axis=1), shared)
     offsets = np.cumsum([p.size for p in leaves])[:-1]
     outputs = jnp.split(x, offsets, axis=1)
     first = [o[0].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
