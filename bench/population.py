@@ -7,7 +7,8 @@ Run: ``python bench/population.py [--seconds 8]``
    (PES + MLPLOpt on the digits MLP, ~0.1 s per estimate) and (a) (PES +
    LearnableSGDM on a quadratic, ~1 ms per estimate: less than one Ray round
    trip, so the Ray engine amortises it with several truncations per call and
-   pipelined async calls).
+   pipelined async calls), with sync rounds as actor calls and through a
+   Ray compiled graph (``population.compiled_graph``).
 2. Weak scaling: 2 actors against 1 on this 2-core machine, cores pinned.
 3. The learner's capacity: updates/s and estimates/s it absorbs for theta of
    1e3, 1e5 and 1e6 floats when estimates arrive instantly (aggregation, the
@@ -118,6 +119,84 @@ def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float,
     return rate, rate * batch_size
 
 
+def engines(sec: float, k: int) -> None:
+    """Part 1: the single-process engine against the Ray engine with one worker."""
+    # (c) is real compute: the lone actor gets both cores, like the driver's XLA
+    # in the single-process engine. (a) is tiny ops that a second XLA thread
+    # does not speed up: the actor is pinned to one core and the learner,
+    # driver and raylet keep the other.
+    both = "population.num_cpus=2"
+    compiled = "population.compiled_graph=true"
+    trunc_k = f"estimator.truncations_per_call={k}"
+    trunc_2, trunc_4 = "estimator.truncations_per_call=2", "estimator.truncations_per_call=4"
+    pipelined = ["population.mode=async", "population.calls_in_flight=2"]
+    rows = [
+        ("c", "(c) PES + MLPLOpt, digits MLP: sync", [], [both], None),
+        ("c", "(c) same, sync, compiled graph", [], [both, compiled], None),
+        ("c", "(c) same, sync, 2 truncations per call", [trunc_2], [both], None),
+        (
+            "c",
+            "(c) same, async pipelined, 2 truncations per call",
+            [trunc_2],
+            [both, *pipelined],
+            0.9,
+        ),
+        ("a", "(a) PES + LearnableSGDM, quadratic: sync, 1 truncation per call", [], [], 0.8),
+        ("a", "(a) same, sync, 1 truncation per call, compiled graph", [], [compiled], 0.8),
+        ("a", "(a) same, async pipelined, 4 truncations per call", [trunc_4], pipelined, 0.9),
+        ("a", f"(a) same, sync, {k} truncations per call", [trunc_k], [], None),
+        ("a", f"(a) same, async pipelined, {k} truncations per call", [trunc_k], pipelined, 0.9),
+    ]
+    print("1. single-process engine vs Ray engine, 1 worker, same work (inner-steps/s)")
+    print(f"   {'work':<62} {'single':>10} {'ray':>10} {'ratio':>6} {'target':>6}")
+    for work, label, work_options, ray_options, target in rows:
+        one_worker = [*work_options, "population.num_actors=1"]
+        single = inner_steps_per_s(_config(work, *one_worker), LocalPopulation, sec)
+        ray_cfg = _config(work, *one_worker, *ray_options)
+        distributed = inner_steps_per_s(ray_cfg, RayPopulation, sec)
+        tgt = "-" if target is None else f"{target:.1f}x"
+        print(
+            f"   {label:<62} {single:>10,.0f} {distributed:>10,.0f} "
+            f"{distributed / single:>5.2f}x {tgt:>6}"
+        )
+
+
+def weak_scaling(sec: float, k: int) -> None:
+    """Part 2: 2 actors against 1, async, cores pinned."""
+    rows = [
+        ("(c) PES + MLPLOpt, digits MLP, async", "c", []),
+        (
+            f"(a) PES + LearnableSGDM, quadratic, async, {k} trunc/call",
+            "a",
+            [f"estimator.truncations_per_call={k}"],
+        ),
+    ]
+    print("\n2. weak scaling on this 2-core machine, Ray engine, cores pinned (inner-steps/s)")
+    print(f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6}")
+    for label, work, extra in rows:
+        rates = []
+        for n in (1, 2):
+            cfg = _config(
+                work,
+                *extra,
+                "population.mode=async",
+                f"population.num_actors={n}",
+                f"population.batch_size={n}",
+            )
+            rates.append(inner_steps_per_s(cfg, RayPopulation, sec))
+        print(f"   {label:<62} {rates[0]:>10,.0f} {rates[1]:>10,.0f} {rates[1] / rates[0]:>5.2f}x")
+
+
+def capacity(sec: float) -> None:
+    """Part 3: the learner alone, estimates waiting in the object store."""
+    print("\n3. learner capacity, estimates waiting in the object store")
+    print(f"   {'theta floats':>12} {'per update':>10} {'updates/s':>10} {'estimates/s':>12}")
+    for size in (1_000, 100_000, 1_000_000):
+        for batch in (4, 16):
+            updates, estimates = learner_capacity(size, batch, sec / 2)
+            print(f"   {size:>12,} {batch:>10} {updates:>10,.1f} {estimates:>12,.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
@@ -125,9 +204,6 @@ def main() -> None:
     parser.add_argument("--parts", default="1,2,3", help="which of the parts above to run")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    sec = args.seconds
-    k = args.truncations_per_call
-
     with tempfile.TemporaryDirectory(prefix="popmeta-bench-") as tmp:
         ray.init(
             address="local",
@@ -138,101 +214,12 @@ def main() -> None:
             _temp_dir=tmp,
         )
         try:
-            # (c) is real compute: the lone actor gets both cores, like the driver's XLA
-            # in the single-process engine. (a) is tiny ops that a second XLA thread
-            # does not speed up: the actor is pinned to one core and the learner,
-            # driver and raylet keep the other.
-            both = "population.num_cpus=2"
-            trunc_k = f"estimator.truncations_per_call={k}"
-            pipelined = ["population.mode=async", "population.calls_in_flight=2"]
-            rows = [
-                ("c", "(c) PES + MLPLOpt, digits MLP: sync", [], [both], None),
-                (
-                    "c",
-                    "(c) same, sync, 2 truncations per call",
-                    ["estimator.truncations_per_call=2"],
-                    [both],
-                    None,
-                ),
-                (
-                    "c",
-                    "(c) same, Ray async pipelined, 2 truncations per call",
-                    ["estimator.truncations_per_call=2"],
-                    [both, *pipelined],
-                    0.9,
-                ),
-                (
-                    "a",
-                    "(a) PES + LearnableSGDM, quadratic: sync, 1 truncation per call",
-                    [],
-                    [],
-                    None,
-                ),
-                ("a", f"(a) same, sync, {k} truncations per call", [trunc_k], [], None),
-                (
-                    "a",
-                    f"(a) same, Ray async pipelined, {k} truncations per call",
-                    [trunc_k],
-                    pipelined,
-                    0.8,
-                ),
-            ]
             if "1" in parts:
-                print("1. single-process engine vs Ray engine, 1 worker, same work (inner-steps/s)")
-                print(f"   {'work':<62} {'single':>10} {'ray':>10} {'ratio':>6} {'target':>6}")
-            for work, label, work_options, ray_options, target in rows if "1" in parts else ():
-                one_worker = [*work_options, "population.num_actors=1"]
-                single = inner_steps_per_s(_config(work, *one_worker), LocalPopulation, sec)
-                ray_cfg = _config(work, *one_worker, *ray_options)
-                distributed = inner_steps_per_s(ray_cfg, RayPopulation, sec)
-                tgt = "-" if target is None else f"{target:.1f}x"
-                print(
-                    f"   {label:<62} {single:>10,.0f} {distributed:>10,.0f} "
-                    f"{distributed / single:>5.2f}x {tgt:>6}"
-                )
-
-            scaling = [
-                ("(c) PES + MLPLOpt, digits MLP, async", "c", []),
-                (
-                    f"(a) PES + LearnableSGDM, quadratic, async, {k} trunc/call",
-                    "a",
-                    [f"estimator.truncations_per_call={k}"],
-                ),
-            ]
+                engines(args.seconds, args.truncations_per_call)
             if "2" in parts:
-                print(
-                    "\n2. weak scaling on this 2-core machine, Ray engine, cores pinned"
-                    " (inner-steps/s)"
-                )
-                print(f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6}")
-            for label, work, extra in scaling if "2" in parts else ():
-                rates = []
-                for n in (1, 2):
-                    cfg = _config(
-                        work,
-                        *extra,
-                        "population.mode=async",
-                        f"population.num_actors={n}",
-                        f"population.batch_size={n}",
-                    )
-                    rates.append(inner_steps_per_s(cfg, RayPopulation, sec))
-                print(
-                    f"   {label:<62} {rates[0]:>10,.0f} {rates[1]:>10,.0f} "
-                    f"{rates[1] / rates[0]:>5.2f}x"
-                )
-
+                weak_scaling(args.seconds, args.truncations_per_call)
             if "3" in parts:
-                print("\n3. learner capacity, estimates waiting in the object store")
-                print(
-                    f"   {'theta floats':>12} {'per update':>10} {'updates/s':>10} {'estimates/s':>12}"
-                )
-            for size, batch in (
-                [(s, b) for s in (1_000, 100_000, 1_000_000) for b in (4, 16)]
-                if "3" in parts
-                else ()
-            ):
-                updates, estimates = learner_capacity(size, batch, sec / 2)
-                print(f"   {size:>12,} {batch:>10} {updates:>10,.1f} {estimates:>12,.1f}")
+                capacity(args.seconds)
         finally:
             ray.shutdown()
 

@@ -230,6 +230,12 @@ def test_range_errors_name_field(override, field):
     assert field in str(info.value)
 
 
+def test_compiled_graph_is_refused_outside_sync_mode():
+    with pytest.raises(ConfigError, match=r"population\.compiled_graph: works in mode: sync only"):
+        load_config(None, ["population.mode=async", "population.compiled_graph=true"])
+    assert load_config(None, ["population.compiled_graph=true"]).population.compiled_graph
+
+
 def test_range_checks_apply_to_direct_construction():
     with pytest.raises(ConfigError, match=r"estimator\.std: must be > 0"):
         Config(estimator=EstimatorConfig(std=0.0))

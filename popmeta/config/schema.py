@@ -286,6 +286,9 @@ class PopulationConfig:
         them (``estimator.num_tasks`` must then be a multiple of their number).
       call_timeout_s: longest wait for one estimate before the actor is declared lost.
       max_actor_restarts: dead actors replaced over the run before it gives up.
+      compiled_graph: sync rounds reach each actor through a Ray compiled graph
+        (shared-memory channels) instead of an actor call: about 1 ms less per
+        round, but the driver polls a core while it waits. Sync mode only.
     """
 
     num_actors: int = 2
@@ -304,9 +307,12 @@ class PopulationConfig:
     shard_tasks: bool = True
     call_timeout_s: float = 600.0
     max_actor_restarts: int = 10
+    compiled_graph: bool = False
 
     def _problems(self) -> Iterator[_Problem]:
         yield from _positive(self, "num_actors", "batch_size", "calls_in_flight", "call_timeout_s")
+        if self.compiled_graph and self.mode != "sync":
+            yield "compiled_graph", "works in mode: sync only (async calls queue up on the actors)"
         yield from _non_negative(
             self, "max_staleness", "num_cpus", "num_gpus", "max_actor_restarts"
         )
@@ -521,4 +527,5 @@ _RAY_ENGINE_FIELDS = (
     "env",
     "call_timeout_s",
     "max_actor_restarts",
+    "compiled_graph",
 )

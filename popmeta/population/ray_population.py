@@ -23,7 +23,11 @@ persistent cache, see :mod:`popmeta.actors.actor`).
   no estimate in it (unless its replacement is ready before the others are
   done), and a replacement still starting holds no round up; it joins from the
   first round that starts after it is ready. ``Gathered.missing`` names the
-  ranks without an estimate. A round never ends empty while an actor lives: if
+  ranks without an estimate. With ``population.compiled_graph`` the round's
+  calls go through one Ray compiled graph over its actors (see
+  :meth:`~popmeta.population.supervisor.ActorSupervisor.call_compiled`), and
+  theta goes by value through the graph's channels; a rank the graph leaves
+  without an estimate gets an ordinary call. A round never ends empty while an actor lives: if
   every member is lost, it waits for the first actor to be ready and takes its
   estimate. A reply on another version (a leftover of an interrupted earlier
   gather) is dropped and counted as stale.
@@ -144,10 +148,15 @@ class SyncGather:
 
     Args:
       supervisor: the actors; each has ``compute(theta, version) -> Estimate``.
+      compiled_graph: the round's first calls go through the supervisor's
+        compiled graphs (its ``compiled_method`` is ``compute``); a rank left
+        without an estimate by them (its replacement ready meanwhile, a
+        leftover in flight) gets an ordinary call.
     """
 
-    def __init__(self, supervisor: ActorSupervisor):
+    def __init__(self, supervisor: ActorSupervisor, *, compiled_graph: bool = False):
         self._supervisor = supervisor
+        self._compiled_graph = compiled_graph
 
     def gather(self, theta_arg: Any, version: int) -> Gathered:
         """One round on theta ``version`` (``theta_arg``: theta or its ObjectRef).
@@ -158,11 +167,16 @@ class SyncGather:
           ``restarted`` and ``lost_in_flight`` are left to the caller.
         """
         supervisor = self._supervisor
-        results: dict[int, Estimate] = {}
         dropped: dict[int, int] = {}
+        supervisor.check_starting()
         # The round's actors: those ready now. A rank whose actor is lost stops
         # counting while its replacement starts, and counts again once ready.
         members = set(supervisor.ready_ranks)
+        results: dict[int, Estimate] = (
+            supervisor.call_compiled(sorted(members), theta_arg, version)
+            if self._compiled_graph
+            else {}
+        )
         while True:
             ready = set(supervisor.ready_ranks)
             if not results and not members & ready:
@@ -300,10 +314,11 @@ class RayPopulation:
         def actor_args(rank: int, restart: int, pin: tuple[int, ...] | None) -> tuple[Any, ...]:
             return config, rank, restart, pin
 
-        self._supervisor = ActorSupervisor(EstimatorActor, actor_args, pc)
+        compiled_method = "compute" if pc.compiled_graph else None
+        self._supervisor = ActorSupervisor(EstimatorActor, actor_args, pc, compiled_method)
         self._policy: SyncGather | AsyncGather
         if pc.mode == "sync":
-            self._policy = SyncGather(self._supervisor)
+            self._policy = SyncGather(self._supervisor, compiled_graph=pc.compiled_graph)
         else:
             self._policy = AsyncGather(
                 self._supervisor,
@@ -347,9 +362,10 @@ class RayPopulation:
         supervisor = self._supervisor
         restarts, lost = supervisor.num_restarts, supervisor.num_lost_calls
         # At most one put per version: repeated gathers of one version (a round
-        # whose estimates were all unusable) reuse the ref.
+        # whose estimates were all unusable) reuse the ref. Compiled graphs take
+        # theta by value; their rank's rare ordinary call then passes it as Ray does.
         if self._theta_version != version or self._theta_arg is None:
-            self._theta_arg = theta_argument(theta)
+            self._theta_arg = theta if self._pc.compiled_graph else theta_argument(theta)
             self._theta_version = version
         self._mid_gather = True
         gathered = self._policy.gather(self._theta_arg, version)

@@ -25,6 +25,16 @@ the actors compute: callers submit calls with a tag of their choosing and get
 * :meth:`ActorSupervisor.call_each` calls one method on several ready actors
   and waits for them, outside the tagged calls (e.g. to save or load the
   workers' states between gathers).
+* :meth:`ActorSupervisor.call_compiled` calls the supervisor's
+  ``compiled_method`` on several ready actors through one Ray compiled graph
+  over them, built anew whenever its members change (a replacement joins, an
+  actor is lost) and after any failure, which leaves the members without a
+  reply to tagged calls (they find and replace a lost actor). One graph for
+  all, rather than one per actor: on Ray
+  2.60, compiling a graph for a replacement while another actor's graph
+  lived left that actor's next reply blocked in its output channel. The
+  graph runs on a thread of its own in each actor, so the actors still
+  answer ordinary calls (``call_each``) between executions.
 * :meth:`ActorSupervisor.close` kills every actor and removes the placement
   group; it never stops Ray.
 """
@@ -40,10 +50,13 @@ from typing import Any, NamedTuple
 
 import ray
 import ray.util
+from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import (
     ActorUnavailableError,
     GetTimeoutError,
     RayActorError,
+    RayChannelError,
+    RayChannelTimeoutError,
     RayError,
     RayTaskError,
 )
@@ -121,14 +134,24 @@ class ActorSupervisor:
       actor_args: constructor arguments for (rank, restart, core slots).
       population: resources, placement, ``call_timeout_s`` and
         ``max_actor_restarts`` of the actors.
+      compiled_method: the method :meth:`call_compiled` calls, if any.
 
     Raises:
       RuntimeError: an actor failed to start, or could not be scheduled within
         ``call_timeout_s``; the actors already started are killed.
     """
 
-    def __init__(self, actor_class: Any, actor_args: ActorArgs, population: PopulationConfig):
+    def __init__(
+        self,
+        actor_class: Any,
+        actor_args: ActorArgs,
+        population: PopulationConfig,
+        compiled_method: str | None = None,
+    ):
         self._actor_class = actor_class
+        self._compiled_method = compiled_method
+        self._graph: Any = None
+        self._graph_members: tuple[tuple[int, int], ...] = ()  # (rank, restart) of each
         self._actor_args = actor_args
         self._pc = population
         self._actors: dict[int, _Actor] = {}
@@ -183,6 +206,21 @@ class ActorSupervisor:
             actor.last_progress = time.monotonic()
         actor.in_flight += 1
         self._calls[ref] = _Call(rank, actor.restart, tag)
+
+    def check_starting(self) -> None:
+        """Without waiting: starting actors that have answered ``info()`` become ready.
+
+        One that has not started within ``call_timeout_s`` of its spawn is
+        replaced. :meth:`next_reply` does this while it waits; a caller that
+        gets its replies elsewhere (:meth:`call_compiled`) calls this instead.
+        """
+        timeout_s = self._pc.call_timeout_s
+        for actor in [a for a in self._actors.values() if not a.ready]:
+            # .get: replacing one actor may retire another's rank meanwhile.
+            if self._actors.get(actor.rank) is not actor or self._info(actor, wait=False):
+                continue
+            if time.monotonic() >= actor.deadline(timeout_s):
+                self._replace(actor, f"no start within population.call_timeout_s={timeout_s}s")
 
     def next_reply(self) -> Reply | None:
         """Waits for the next call to finish, or for a starting actor to become ready.
@@ -288,6 +326,67 @@ class ActorSupervisor:
                 failed[rank] = f"{type(err).__name__}: {err}"
         return values, failed
 
+    def call_compiled(self, ranks: Sequence[int], *args: Any) -> dict[int, Any]:
+        """Calls ``compiled_method(*args)`` on each rank's actor through the compiled graph.
+
+        Only ready actors without tagged calls in flight take part; the graph
+        is rebuilt when they differ from its members. Waits up to
+        ``call_timeout_s`` from the execution's start. A failure tears the
+        graph down and leaves every member without a reply out; the graph's
+        error does not say which member failed (every reply of the execution
+        raises it). So after an actor's death the members are left to the
+        caller's tagged calls, which find and replace the dead one; after the
+        wait ran out every member without a reply is lost and replaced (a
+        hung actor would also keep the graph's teardown waiting for ever).
+        An exception raised by the method itself propagates, as from a
+        tagged call.
+
+        Args are passed by value through the graph's shared-memory channels
+        (an ObjectRef would reach the method unresolved).
+
+        Returns:
+          rank -> returned value, for the ranks that answered.
+        """
+        assert self._compiled_method is not None, "no compiled_method was given"
+        actors = [
+            actor
+            for rank in ranks
+            if (actor := self._actors.get(rank)) and actor.ready and not actor.in_flight
+        ]
+        if not actors:
+            return {}
+        members = tuple((actor.rank, actor.restart) for actor in actors)
+        deadline = time.monotonic() + self._pc.call_timeout_s
+        values: dict[int, Any] = {}
+        try:
+            if members != self._graph_members:
+                self._teardown_graph()
+                self._graph = self._compile([actor.handle for actor in actors], len(args))
+                self._graph_members = members
+            refs = self._graph.execute(*args)
+            for actor, ref in zip(actors, refs, strict=True):
+                values[actor.rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                actor.last_progress = time.monotonic()
+        except (RayActorError, RayChannelError) as err:
+            # RayTaskError (the method raised) is neither, and propagates.
+            silent = [actor for actor in actors if actor.rank not in values]
+            if not isinstance(err, RayChannelTimeoutError):
+                log.info("compiled graph failed (%r); its members are called anew", err)
+                self._teardown_graph()
+                return values
+            for actor in silent:
+                self._kill(actor)  # first: the teardown waits for every member's graph thread
+            self._teardown_graph()
+            self._num_lost_calls += len(silent)
+            timeout_s = self._pc.call_timeout_s
+            for actor in silent:
+                self._replace(
+                    actor,
+                    f"no reply through the compiled graph within population.call_timeout_s="
+                    f"{timeout_s}s (the graph does not say which member hung: each is replaced)",
+                )
+        return values
+
     def describe(self) -> list[dict[str, Any]]:
         """Each live actor's ``info()``, in rank order.
 
@@ -305,6 +404,8 @@ class ActorSupervisor:
         self._closed = True
         self._calls.clear()
         if ray.is_initialized():
+            # Before the kills: a graph over live actors shuts down cleanly.
+            self._teardown_graph()
             for actor in self._actors.values():
                 self._kill(actor)
             if self._pg is not None:
@@ -412,6 +513,20 @@ class ActorSupervisor:
         return actor.info
 
     # ------------------------------------------------------------------ loss
+
+    def _compile(self, handles: Sequence[Any], num_args: int) -> Any:
+        with InputNode() as inputs:
+            args = [inputs[i] for i in range(num_args)]
+            outputs = [getattr(handle, self._compiled_method).bind(*args) for handle in handles]
+            node = MultiOutputNode(outputs)
+        return node.experimental_compile()
+
+    def _teardown_graph(self) -> None:
+        graph, self._graph, self._graph_members = self._graph, None, ()
+        if graph is not None:
+            # Failing means the graph is already shut down: nothing left to release.
+            with contextlib.suppress(Exception):
+                graph.teardown()
 
     def _kill(self, actor: _Actor) -> None:
         # Failing means the actor is already gone: nothing left to release.

@@ -218,15 +218,21 @@ def test_one_actor_per_tpu_node_and_a_lost_tpu_node(nodes, caplog):
     assert "lost with its node" in caplog.text
 
 
-def test_actor_of_a_lost_node_is_replaced_on_another_node(nodes, caplog):
+@pytest.mark.parametrize("compiled_graph", [False, True], ids=["actor-calls", "compiled-graph"])
+def test_actor_of_a_lost_node_is_replaced_on_another_node(nodes, caplog, compiled_graph):
     caplog.set_level(logging.WARNING, logger="popmeta")
-    nodes.add("tpu_c", 2, {"TPU": 4})
-    config = tiny_config(num_actors=1, resources={"TPU": 1}, mode="sync")
+    nodes.add(f"tpu_{compiled_graph}", 2, {"TPU": 4})
+    config = tiny_config(
+        num_actors=1, resources={"TPU": 1}, mode="sync", compiled_graph=compiled_graph
+    )
     with RayPopulation(config) as population:
         theta = run_updates(config, population, 1)
         (lost,) = _nodes_of(population)
-        name = next(n for n in ("tpu_a", "tpu_c") if nodes.id(n) == lost)
-        survivor = nodes.id("tpu_c" if name == "tpu_a" else "tpu_a")
+        # Two TPU nodes are up: the actor's, and the one it moves to.
+        tpu_nodes = [name for name in nodes.by_name if name.startswith("tpu")]
+        assert len(tpu_nodes) == 2
+        name = next(n for n in tpu_nodes if nodes.id(n) == lost)
+        survivor = next(nodes.id(n) for n in tpu_nodes if n != name)
         nodes.remove(name)
         gathered = population.gather(theta, 1)
         assert gathered.restarted == 1 and len(gathered.estimates) == 1

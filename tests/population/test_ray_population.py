@@ -8,6 +8,7 @@ spread over their trajectories; a killed actor is replaced and the run goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -96,6 +97,21 @@ def test_sync_rounds_have_one_fresh_estimate_per_rank_and_nothing_dropped(sync_r
             (dict(g.dropped_stale), g.restarted, g.missing, g.lost_in_flight) for g in rounds
         ]
         assert outcome == [({}, 0, (), 0)] * len(rounds)
+
+
+def test_sync_rounds_through_a_compiled_graph_equal_the_local_engine(sync_runs):
+    config = sync_runs["config"]
+    compiled = dataclasses.replace(
+        config, population=dataclasses.replace(config.population, compiled_graph=True)
+    )
+    rounds = []
+    with RayPopulation(compiled) as population:
+        theta = run_updates(compiled, population, len(sync_runs["local_rounds"]), rounds.append)
+        # Ordinary calls still reach the actors between graph executions.
+        assert sorted(population.export_worker_states()) == [0, 1]
+    assert tree_bytes(theta) == tree_bytes(sync_runs["local"])
+    assert [[e.worker for e in g.estimates] for g in rounds] == [[0, 1]] * len(rounds)
+    assert {(g.missing, g.restarted, g.lost_in_flight) for g in rounds} == {((), 0, 0)}
 
 
 def test_local_population_describes_its_workers_in_this_process(sync_runs):
@@ -235,10 +251,16 @@ def kill_actor_process(info: dict) -> None:
     os.kill(info["pid"], signal.SIGKILL)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_killed_actor_is_replaced_and_the_run_goes_on(ray_session, caplog, mode):
+@pytest.mark.parametrize(
+    ("mode", "compiled_graph"),
+    [("sync", False), ("async", False), ("sync", True)],
+    ids=["sync", "async", "sync-compiled-graph"],
+)
+def test_killed_actor_is_replaced_and_the_run_goes_on(ray_session, caplog, mode, compiled_graph):
     caplog.set_level(logging.WARNING, logger="popmeta")
-    config = tiny_config(mode=mode, batch_size=2, max_actor_restarts=1)
+    config = tiny_config(
+        mode=mode, batch_size=2, max_actor_restarts=1, compiled_graph=compiled_graph
+    )
     with RayPopulation(config) as population:
         learner = Learner(config)
 

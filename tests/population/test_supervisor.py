@@ -40,7 +40,9 @@ class Sleeper:
 
 
 def supervisor(
-    starts: dict[int, tuple[float, bool]] | None = None, **fields: Any
+    starts: dict[int, tuple[float, bool]] | None = None,
+    compiled_method: str | None = None,
+    **fields: Any,
 ) -> ActorSupervisor:
     """Sleepers; ``starts`` maps a restart number to (start seconds, fails) for its actors."""
     population = PopulationConfig(
@@ -52,7 +54,7 @@ def supervisor(
     def args(rank: int, restart: int, pin: Any) -> tuple[Any, ...]:
         return rank, restart, *starts.get(restart, (0.0, False))
 
-    return ActorSupervisor(Sleeper, args, population)
+    return ActorSupervisor(Sleeper, args, population, compiled_method)
 
 
 def test_replies_carry_their_tags_in_completion_order(ray_session):
@@ -84,6 +86,27 @@ def test_an_actor_past_its_deadline_is_replaced_and_its_calls_are_lost(ray_sessi
         sup.submit(0, "fresh", "run", 0.0, "c")
         assert sup.next_reply() == Reply(0, "fresh", (0, 1, "c"))
         assert sup.next_reply() is None
+    finally:
+        sup.close()
+
+
+def test_compiled_calls_reach_the_members_and_a_silent_round_replaces_them(ray_session):
+    sup = supervisor(compiled_method="run", max_actor_restarts=2)
+    try:
+        assert sup.call_compiled([0, 1], 0.0, "a") == {0: (0, 0, "a"), 1: (1, 0, "a")}
+        # Other members: the graph is built anew for them.
+        assert sup.call_compiled([1], 0.0, "b") == {1: (1, 0, "b")}
+        start = time.monotonic()
+        assert sup.call_compiled([0, 1], 10 * TIMEOUT_S, "stuck") == {}
+        assert TIMEOUT_S <= time.monotonic() - start < 3 * TIMEOUT_S
+        # The graph cannot say who hung: every silent member is lost and replaced.
+        assert (sup.num_restarts, sup.num_lost_calls) == (2, 2)
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        while sup.ready_ranks != [0, 1]:
+            assert time.monotonic() < deadline, "the replacements never became ready"
+            sup.check_starting()
+            time.sleep(0.05)
+        assert sup.call_compiled([0, 1], 0.0, "c") == {0: (0, 1, "c"), 1: (1, 1, "c")}
     finally:
         sup.close()
 
