@@ -27,9 +27,9 @@ persistent cache, see :mod:`popmeta.actors.actor`).
   calls go through one Ray compiled graph over its actors (see
   :meth:`~popmeta.population.supervisor.ActorSupervisor.call_compiled`), and
   theta goes by value through the graph's channels; a rank the graph leaves
-  without an estimate gets an ordinary call. A round never ends empty while an actor lives: if
-  every member is lost, it waits for the first actor to be ready and takes its
-  estimate. A reply on another version (a leftover of an interrupted earlier
+  without an estimate gets an ordinary call. A round never ends empty while
+  an actor lives: if every member is lost, it waits for the first actor to be
+  ready and takes its estimate. A reply on another version (a leftover of an interrupted earlier
   gather) is dropped and counted as stale.
 * ``mode: async`` -- every ready actor keeps ``calls_in_flight`` calls queued,
   so it never idles waiting for theta, and no actor waits for another. The
@@ -148,15 +148,14 @@ class SyncGather:
 
     Args:
       supervisor: the actors; each has ``compute(theta, version) -> Estimate``.
-      compiled_graph: the round's first calls go through the supervisor's
-        compiled graphs (its ``compiled_method`` is ``compute``); a rank left
-        without an estimate by them (its replacement ready meanwhile, a
-        leftover in flight) gets an ordinary call.
+        If the supervisor has a ``compiled_method`` (``compute``), the round's
+        first calls go through its compiled graph; a rank left without an
+        estimate by it (a failure, a leftover call in flight) gets an
+        ordinary call.
     """
 
-    def __init__(self, supervisor: ActorSupervisor, *, compiled_graph: bool = False):
+    def __init__(self, supervisor: ActorSupervisor):
         self._supervisor = supervisor
-        self._compiled_graph = compiled_graph
 
     def gather(self, theta_arg: Any, version: int) -> Gathered:
         """One round on theta ``version`` (``theta_arg``: theta or its ObjectRef).
@@ -174,7 +173,7 @@ class SyncGather:
         members = set(supervisor.ready_ranks)
         results: dict[int, Estimate] = (
             supervisor.call_compiled(sorted(members), theta_arg, version)
-            if self._compiled_graph
+            if supervisor.compiled_method is not None
             else {}
         )
         while True:
@@ -318,7 +317,7 @@ class RayPopulation:
         self._supervisor = ActorSupervisor(EstimatorActor, actor_args, pc, compiled_method)
         self._policy: SyncGather | AsyncGather
         if pc.mode == "sync":
-            self._policy = SyncGather(self._supervisor, compiled_graph=pc.compiled_graph)
+            self._policy = SyncGather(self._supervisor)
         else:
             self._policy = AsyncGather(
                 self._supervisor,

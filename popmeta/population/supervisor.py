@@ -30,11 +30,11 @@ the actors compute: callers submit calls with a tag of their choosing and get
   over them, built anew whenever its members change (a replacement joins, an
   actor is lost) and after any failure, which leaves the members without a
   reply to tagged calls (they find and replace a lost actor). One graph for
-  all, rather than one per actor: on Ray
-  2.60, compiling a graph for a replacement while another actor's graph
-  lived left that actor's next reply blocked in its output channel. The
-  graph runs on a thread of its own in each actor, so the actors still
-  answer ordinary calls (``call_each``) between executions.
+  all, rather than one per actor: on Ray 2.60, compiling a graph for a
+  replacement while another actor's graph lived left that actor's next reply
+  blocked in its output channel. The graph runs on a thread of its own in
+  each actor, so the actors still answer ordinary calls (``call_each``)
+  between executions.
 * :meth:`ActorSupervisor.close` kills every actor and removes the placement
   group; it never stops Ray.
 """
@@ -149,11 +149,11 @@ class ActorSupervisor:
         compiled_method: str | None = None,
     ):
         self._actor_class = actor_class
+        self._actor_args = actor_args
+        self._pc = population
         self._compiled_method = compiled_method
         self._graph: Any = None
         self._graph_members: tuple[tuple[int, int], ...] = ()  # (rank, restart) of each
-        self._actor_args = actor_args
-        self._pc = population
         self._actors: dict[int, _Actor] = {}
         self._calls: dict[Any, _Call] = {}  # ObjectRef -> call, in submission order
         self._pg: PlacementGroup | None = None
@@ -178,6 +178,11 @@ class ActorSupervisor:
     def ready_ranks(self) -> list[int]:
         """Ranks whose actor is ready (has answered ``info()``), in order."""
         return [rank for rank in self.ranks if self._actors[rank].ready]
+
+    @property
+    def compiled_method(self) -> str | None:
+        """The method :meth:`call_compiled` calls; None: no compiled calls."""
+        return self._compiled_method
 
     @property
     def num_restarts(self) -> int:
@@ -214,13 +219,10 @@ class ActorSupervisor:
         replaced. :meth:`next_reply` does this while it waits; a caller that
         gets its replies elsewhere (:meth:`call_compiled`) calls this instead.
         """
-        timeout_s = self._pc.call_timeout_s
         for actor in [a for a in self._actors.values() if not a.ready]:
             # .get: replacing one actor may retire another's rank meanwhile.
-            if self._actors.get(actor.rank) is not actor or self._info(actor, wait=False):
-                continue
-            if time.monotonic() >= actor.deadline(timeout_s):
-                self._replace(actor, f"no start within population.call_timeout_s={timeout_s}s")
+            if self._actors.get(actor.rank) is actor and not self._info(actor, wait=False):
+                self._replace_if_overdue(actor)
 
     def next_reply(self) -> Reply | None:
         """Waits for the next call to finish, or for a starting actor to become ready.
@@ -246,11 +248,8 @@ class ActorSupervisor:
         refs = [*self._calls, *starting]
         ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, until - now))
         if not ready:
-            now = time.monotonic()
             for actor in watched:
-                if self._actors.get(actor.rank) is actor and now >= actor.deadline(timeout_s):
-                    what = "reply" if actor.ready else "start"
-                    self._replace(actor, f"no {what} within population.call_timeout_s={timeout_s}s")
+                self._replace_if_overdue(actor)
             return None
         ref = ready[0]
         if ref in starting:
@@ -356,7 +355,8 @@ class ActorSupervisor:
         if not actors:
             return {}
         members = tuple((actor.rank, actor.restart) for actor in actors)
-        deadline = time.monotonic() + self._pc.call_timeout_s
+        timeout_s = self._pc.call_timeout_s
+        deadline = time.monotonic() + timeout_s
         values: dict[int, Any] = {}
         try:
             if members != self._graph_members:
@@ -369,16 +369,15 @@ class ActorSupervisor:
                 actor.last_progress = time.monotonic()
         except (RayActorError, RayChannelError) as err:
             # RayTaskError (the method raised) is neither, and propagates.
-            silent = [actor for actor in actors if actor.rank not in values]
             if not isinstance(err, RayChannelTimeoutError):
                 log.info("compiled graph failed (%r); its members are called anew", err)
                 self._teardown_graph()
                 return values
+            silent = [actor for actor in actors if actor.rank not in values]
             for actor in silent:
                 self._kill(actor)  # first: the teardown waits for every member's graph thread
             self._teardown_graph()
             self._num_lost_calls += len(silent)
-            timeout_s = self._pc.call_timeout_s
             for actor in silent:
                 self._replace(
                     actor,
@@ -527,6 +526,13 @@ class ActorSupervisor:
             # Failing means the graph is already shut down: nothing left to release.
             with contextlib.suppress(Exception):
                 graph.teardown()
+
+    def _replace_if_overdue(self, actor: _Actor) -> None:
+        """Replaces ``actor`` if it still serves its rank and is past its deadline."""
+        timeout_s = self._pc.call_timeout_s
+        if self._actors.get(actor.rank) is actor and time.monotonic() >= actor.deadline(timeout_s):
+            what = "reply" if actor.ready else "start"
+            self._replace(actor, f"no {what} within population.call_timeout_s={timeout_s}s")
 
     def _kill(self, actor: _Actor) -> None:
         # Failing means the actor is already gone: nothing left to release.

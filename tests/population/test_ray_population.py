@@ -35,6 +35,7 @@ from popmeta.population import ray_population
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
+from popmeta.population.supervisor import ActorSupervisor
 from popmeta.train import train
 from tests.population import CALL_TIMEOUT_S, run_updates, tiny_config, tree_bytes
 
@@ -99,14 +100,23 @@ def test_sync_rounds_have_one_fresh_estimate_per_rank_and_nothing_dropped(sync_r
         assert outcome == [({}, 0, (), 0)] * len(rounds)
 
 
-def test_sync_rounds_through_a_compiled_graph_equal_the_local_engine(sync_runs):
+def test_sync_rounds_through_a_compiled_graph_equal_the_local_engine(sync_runs, monkeypatch):
     config = sync_runs["config"]
     compiled = dataclasses.replace(
         config, population=dataclasses.replace(config.population, compiled_graph=True)
     )
+    # Every estimate comes through the graph: no round falls back to actor calls.
+    actor_calls, submit = [], ActorSupervisor.submit
+
+    def counting_submit(self, *args):
+        actor_calls.append(args)
+        return submit(self, *args)
+
+    monkeypatch.setattr(ActorSupervisor, "submit", counting_submit)
     rounds = []
     with RayPopulation(compiled) as population:
         theta = run_updates(compiled, population, len(sync_runs["local_rounds"]), rounds.append)
+        assert actor_calls == []
         # Ordinary calls still reach the actors between graph executions.
         assert sorted(population.export_worker_states()) == [0, 1]
     assert tree_bytes(theta) == tree_bytes(sync_runs["local"])
