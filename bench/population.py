@@ -8,7 +8,11 @@ Run: ``python bench/population.py [--seconds 8]``
    LearnableSGDM on a quadratic, ~1 ms per estimate: less than one Ray round
    trip, so the Ray engine amortises it with several truncations per call and
    pipelined async calls), with sync rounds as actor calls and through a
-   Ray compiled graph (``population.compiled_graph``).
+   Ray compiled graph (``population.compiled_graph``). Each row also gives
+   the Ray engine's extra time per estimate (with one sync actor: per round),
+   and the part starts with Ray's own floor on this machine: a round trip to
+   an actor method that does nothing, as an actor call and through a
+   compiled graph, with the same small arguments and reply.
 2. Weak scaling: 2 actors against 1 on this 2-core machine, cores pinned.
 3. The learner's capacity: updates/s and estimates/s it absorbs for theta of
    1e3, 1e5 and 1e6 floats when estimates arrive instantly (aggregation, the
@@ -68,8 +72,12 @@ def _config(work: str, *extra: str):
     return load_config(None, [*WORK[work], "population.pin_cpus=true", *extra])
 
 
-def inner_steps_per_s(config, population_cls, seconds: float) -> float:
-    """Learner-loop throughput: gather, aggregate, update, for ``seconds`` after warm-up."""
+def inner_steps_per_s(config, population_cls, seconds: float) -> tuple[float, int]:
+    """Learner-loop throughput: gather, aggregate, update, for ``seconds`` after warm-up.
+
+    Returns:
+      Inner steps per second, and the inner steps of one estimate.
+    """
     learner = Learner(config)
     population = population_cls(config)
     try:
@@ -81,7 +89,7 @@ def inner_steps_per_s(config, population_cls, seconds: float) -> float:
             learner.apply(aggregate(gathered.estimates))
             count += len(gathered.estimates)
         elapsed = time.perf_counter() - start
-        return count * population.steps_per_estimate / elapsed
+        return count * population.steps_per_estimate / elapsed, population.steps_per_estimate
     finally:
         population.close()
 
@@ -119,6 +127,44 @@ def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float,
     return rate, rate * batch_size
 
 
+@ray.remote(num_cpus=0)
+class _Idle:
+    """An actor that does no work: the round trips to it are Ray's floor."""
+
+    def reply(self, theta: dict, version: int) -> dict:
+        return {"grad": np.zeros_like(theta["w"]), "version": version}
+
+
+def ray_floor_ms(seconds: float) -> tuple[float, float]:
+    """Milliseconds per round trip to :class:`_Idle`: as an actor call, through a compiled graph."""
+    from ray.dag import InputNode, MultiOutputNode
+
+    actor = _Idle.remote()
+    theta = {"w": np.zeros(2, np.float32)}
+
+    def per_round(call) -> float:
+        for version in range(20):
+            call(version)
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            call(count)
+            count += 1
+        return (time.perf_counter() - start) / count * 1e3
+
+    try:
+        actor_call = per_round(lambda v: ray.get(actor.reply.remote(theta, v)))
+        with InputNode() as inputs:
+            graph = MultiOutputNode([actor.reply.bind(inputs[0], inputs[1])])
+        compiled = graph.experimental_compile()
+        try:
+            graph_call = per_round(lambda v: ray.get(compiled.execute(theta, v)))
+        finally:
+            compiled.teardown()
+        return actor_call, graph_call
+    finally:
+        ray.kill(actor)
+
+
 def engines(sec: float, k: int) -> None:
     """Part 1: the single-process engine against the Ray engine with one worker."""
     # (c) is real compute: the lone actor gets both cores, like the driver's XLA
@@ -147,17 +193,25 @@ def engines(sec: float, k: int) -> None:
         ("a", f"(a) same, sync, {k} truncations per call", [trunc_k], [], None),
         ("a", f"(a) same, async pipelined, {k} truncations per call", [trunc_k], pipelined, 0.9),
     ]
+    actor_call, graph_call = ray_floor_ms(min(sec, 3.0))
     print("1. single-process engine vs Ray engine, 1 worker, same work (inner-steps/s)")
-    print(f"   {'work':<62} {'single':>10} {'ray':>10} {'ratio':>6} {'target':>6}")
+    print(
+        f"   Ray's floor here: {actor_call:.2f} ms per round trip to an idle actor "
+        f"as an actor call, {graph_call:.2f} ms through a compiled graph"
+    )
+    print(
+        f"   {'work':<62} {'single':>10} {'ray':>10} {'ratio':>6} {'target':>6} {'extra ms/est':>12}"
+    )
     for work, label, work_options, ray_options, target in rows:
         one_worker = [*work_options, "population.num_actors=1"]
-        single = inner_steps_per_s(_config(work, *one_worker), LocalPopulation, sec)
+        single, steps = inner_steps_per_s(_config(work, *one_worker), LocalPopulation, sec)
         ray_cfg = _config(work, *one_worker, *ray_options)
-        distributed = inner_steps_per_s(ray_cfg, RayPopulation, sec)
+        distributed, _ = inner_steps_per_s(ray_cfg, RayPopulation, sec)
         tgt = "-" if target is None else f"{target:.1f}x"
+        extra_ms = (steps / distributed - steps / single) * 1e3
         print(
             f"   {label:<62} {single:>10,.0f} {distributed:>10,.0f} "
-            f"{distributed / single:>5.2f}x {tgt:>6}"
+            f"{distributed / single:>5.2f}x {tgt:>6} {extra_ms:>12.2f}"
         )
 
 
@@ -183,7 +237,7 @@ def weak_scaling(sec: float, k: int) -> None:
                 f"population.num_actors={n}",
                 f"population.batch_size={n}",
             )
-            rates.append(inner_steps_per_s(cfg, RayPopulation, sec))
+            rates.append(inner_steps_per_s(cfg, RayPopulation, sec)[0])
         print(f"   {label:<62} {rates[0]:>10,.0f} {rates[1]:>10,.0f} {rates[1] / rates[0]:>5.2f}x")
 
 

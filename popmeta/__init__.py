@@ -40,6 +40,7 @@ from popmeta.core.tasks import (
     single_task_to_family,
     vec_get_batch,
 )
+from popmeta.core.threefry import use_unrolled_threefry_on_cpu
 from popmeta.core.truncated_step import TruncatedStep, TruncatedUnrollOut, VectorizedTruncatedStep
 from popmeta.core.truncation import (
     ConstantTruncationSchedule,
@@ -54,6 +55,9 @@ from popmeta.learner.train_state import (
     build_train_step_fn,
     make_outer_optimizer,
 )
+
+# Same random bits, fewer XLA operations per draw on CPU (see popmeta.core.threefry).
+use_unrolled_threefry_on_cpu()
 
 __all__ = [
     "SGD",
@@ -109,5 +113,6 @@ __all__ = [
     "make_runner",
     "single_task_to_family",
     "training_curves",
+    "use_unrolled_threefry_on_cpu",
     "vec_get_batch",
 ]

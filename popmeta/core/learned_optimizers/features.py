@@ -110,24 +110,33 @@ _MAX_UNROLLED_MULTIPLY_ADDS = 1 << 20
 _MIN_FEATURE_MAJOR_PARAMETERS = 64
 
 
-def _feature_major_linear(w: jax.Array, x: jax.Array) -> jax.Array:
-    """``w.T @ x`` for ``w`` of ``[fan_in, fan_out]`` and feature-major ``x`` of ``[fan_in, n]``.
+def _linear(w: jax.Array, x: jax.Array, feature_major: bool) -> jax.Array:
+    """``x @ w`` for row-major ``x`` of ``[n, fan_in]``; ``w.T @ x`` for feature-major ``x``.
 
     A small layer (the first, reading ~10 features, and the 2-unit output
     layer), or any layer over few parameters, is written as ``fan_in``
     broadcast multiply-adds, which XLA fuses into one elementwise loop with
-    the bias and the activation around it. As dots under a vmap over tasks
-    and members, XLA's CPU kernels ran those shapes 1.4x (first layer) and
-    2.2x (output layer) slower on a 2,410-parameter MLP; its 32x32 hidden
-    layer stays a dot, which is faster there.
+    the bias and the activation around it. Under a vmap over tasks and
+    members, XLA's CPU dot kernels run such shapes one small product per
+    member: as dots, the first and output layers of a 2,410-parameter MLP ran
+    1.4x and 2.2x slower, and a whole PES estimate of MLPLOpt on 10-parameter
+    quadratics 1.2-1.4x slower. A large layer over many parameters (the 32x32
+    hidden layer on an image MLP) stays a dot, which is faster there. So
+    does a large layer in the row-major layout: unrolled, it ran no faster
+    and compiled far slower.
     """
     fan_in, fan_out = w.shape
     weights = fan_in * fan_out
-    if weights > _MAX_UNROLLED_WEIGHTS and weights * x.shape[1] > _MAX_UNROLLED_MULTIPLY_ADDS:
-        return w.T @ x
-    out = w[0][:, None] * x[0][None, :]
+    few_columns = feature_major and weights * x.shape[1] <= _MAX_UNROLLED_MULTIPLY_ADDS
+    if weights > _MAX_UNROLLED_WEIGHTS and not few_columns:
+        return w.T @ x if feature_major else x @ w
+
+    def term(k: int) -> jax.Array:
+        return w[k][:, None] * x[k][None, :] if feature_major else x[:, k, None] * w[k][None, :]
+
+    out = term(0)
     for k in range(1, fan_in):
-        out = out + w[k][:, None] * x[k][None, :]
+        out = out + term(k)
     return out
 
 
@@ -135,10 +144,10 @@ def _mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
     """The MLP on feature-major inputs ``x`` of ``[features, n]``; ``[2, n]`` outputs.
 
     The shared inputs' share of the first layer is a bias. Below
-    ``_MIN_FEATURE_MAJOR_PARAMETERS`` columns the layers run row-major, as
-    plain dots: with a few dozen parameters the feature-major form's unrolled
-    sums cost more than they save (a 10-parameter problem's update ran about
-    1.4x faster row-major).
+    ``_MIN_FEATURE_MAJOR_PARAMETERS`` columns the layers run row-major: with a
+    few dozen parameters, a row of 32 hidden units fills the CPU's vector
+    lanes better than a row of a few dozen parameters does (a 10-parameter
+    problem's PES estimate ran 1.4x faster row-major than feature-major).
     """
     feature_major = x.shape[1] >= _MIN_FEATURE_MAJOR_PARAMETERS
     num_per_parameter = x.shape[0]
@@ -151,7 +160,7 @@ def _mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
         if i == 0:
             b = b + shared @ w[num_per_parameter:]
             w = w[:num_per_parameter]
-        x = _feature_major_linear(w, x) + b[:, None] if feature_major else x @ w + b
+        x = _linear(w, x, feature_major) + (b[:, None] if feature_major else b)
         if i < n_layers - 1:
             x = jax.nn.relu(x)
     return x if feature_major else x.T
@@ -180,7 +189,7 @@ def per_parameter_mlp(
     members on 2 CPU cores, this ran MLPLOpt's update on a 2,410-parameter
     MLP 2.9x faster than per-tensor row-major dots (1.4 ms against 4.0 ms),
     and 1.8x on 100 parameters; below ``_MIN_FEATURE_MAJOR_PARAMETERS``
-    parameters row-major dots are faster, and are used.
+    parameters the same layers run row-major, which is faster there.
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
     columns = [
