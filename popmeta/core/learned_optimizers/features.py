@@ -147,7 +147,7 @@ def _mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
     ``_MIN_FEATURE_MAJOR_PARAMETERS`` columns the layers run row-major: with a
     few dozen parameters, a row of 32 hidden units fills the CPU's vector
     lanes better than a row of a few dozen parameters does (a 10-parameter
-    problem's PES estimate ran 1.4x faster row-major than feature-major).
+    problem's PES estimate ran 1.3-1.4x faster row-major than feature-major).
     """
     feature_major = x.shape[1] >= _MIN_FEATURE_MAJOR_PARAMETERS
     num_per_parameter = x.shape[0]
