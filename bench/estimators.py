@@ -145,6 +145,8 @@ def run_one(name: str, seconds: float) -> dict:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "xla_temp_mb": temp_mb,
         "flops_per_inner_step": flops_per_step,
+        # What XLA compiled with (``import popmeta`` may add flags: popmeta.xla_flags).
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 
@@ -203,6 +205,7 @@ def main() -> None:
     if args.compare_with is not None:
         header += f" {'other tree':>13} {'ratio':>6}"
     print(header)
+    flags_seen: dict[str, str] = {}
     for name in args.configs.split(","):
         if name not in CONFIGS:
             raise SystemExit(
@@ -211,6 +214,7 @@ def main() -> None:
         if args.compare_with is None:
             r = _run_config(name, args.seconds, None)
             other = None
+            flags_seen["this tree"] = r["xla_flags"]
         else:
             runs, others = [], []
             for _ in range(args.repeats):
@@ -221,6 +225,7 @@ def main() -> None:
                 "peak_rss_mb": max(x["peak_rss_mb"] for x in runs),
             }
             other = statistics.median(x["inner_steps_per_s"] for x in others)
+            flags_seen |= {"this tree": runs[0]["xla_flags"], "other tree": others[0]["xla_flags"]}
         flops = r["flops_per_inner_step"]
         achieved = None if flops is None else r["inner_steps_per_s"] * flops / 1e9
         gflops = "-" if achieved is None else f"{achieved:.1f}"
@@ -232,6 +237,8 @@ def main() -> None:
         if other is not None:
             line += f" {other:>13,.0f} {r['inner_steps_per_s'] / other:>5.2f}x"
         print(line, flush=True)
+    for tree, flags in flags_seen.items():
+        print(f"XLA_FLAGS in {tree}'s runs: {flags or '(none)'}")
 
 
 if __name__ == "__main__":

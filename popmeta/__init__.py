@@ -55,9 +55,12 @@ from popmeta.learner.train_state import (
     build_train_step_fn,
     make_outer_optimizer,
 )
+from popmeta.xla_flags import use_xla_cpu_flags
 
 # Same random bits, fewer XLA operations per draw on CPU (see popmeta.core.threefry).
 use_unrolled_threefry_on_cpu()
+# Small inner loops as one CPU kernel, if JAX has yet to start (see popmeta.xla_flags).
+use_xla_cpu_flags()
 
 __all__ = [
     "SGD",
@@ -114,5 +117,6 @@ __all__ = [
     "single_task_to_family",
     "training_curves",
     "use_unrolled_threefry_on_cpu",
+    "use_xla_cpu_flags",
     "vec_get_batch",
 ]

@@ -78,17 +78,43 @@ def is_finite_estimate(estimate: Estimate) -> bool:
 JIT_SUM_MIN_ELEMENTS = 1 << 18
 
 
-def _sum_and_check(grads: list[Any], weights: Any, xp: Any) -> tuple[Any, Any]:
-    """``sum_i weights[i] * grads[i]`` in list order with array module ``xp``, and its finiteness."""
+def _sum_and_check(grads: list[Any], weights: Any) -> tuple[Any, Any]:
+    """``sum_i weights[i] * grads[i]`` in list order, in one XLA pass, and its finiteness."""
     total = jax.tree_util.tree_map(
-        lambda *leaves: sum(w * xp.asarray(leaf) for w, leaf in zip(weights, leaves, strict=True)),
-        *grads,
+        lambda *leaves: sum(w * leaf for w, leaf in zip(weights, leaves, strict=True)), *grads
     )
-    checks = [xp.all(xp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(total)]
-    return total, functools.reduce(xp.logical_and, checks)
+    checks = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(total)]
+    return total, functools.reduce(jnp.logical_and, checks)
 
 
-_jit_sum_and_check = jax.jit(functools.partial(_sum_and_check, xp=jnp))
+_jit_sum_and_check = jax.jit(_sum_and_check)
+
+
+def _numpy_sum_and_check(grads: list[Any], weights: np.ndarray) -> tuple[Any, bool]:
+    """The same sum with numpy, written into one new buffer per leaf.
+
+    Estimates of equal weight (the usual case: every worker's tasks are
+    valid) are added first, in list order, and their sum scaled once, so no
+    temporary is made per estimate: ``w * grad`` would allocate and fill one.
+    """
+    groups: dict[float, list[int]] = {}
+    for index, weight in enumerate(weights):
+        groups.setdefault(float(weight), []).append(index)
+
+    def leaf_sum(*leaves: Any) -> np.ndarray:
+        dtype = np.result_type(np.asarray(leaves[0]).dtype, weights.dtype)
+        total = None
+        for weight, members in groups.items():
+            part = np.array(leaves[members[0]], dtype=dtype)
+            for index in members[1:]:
+                np.add(part, leaves[index], out=part)
+            np.multiply(part, dtype.type(weight), out=part)
+            total = part if total is None else np.add(total, part, out=total)
+        return total
+
+    total = jax.tree_util.tree_map(leaf_sum, *grads)
+    finite = all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(total))
+    return total, finite
 
 
 def _weighted_sum(grads: list[Any], weights: np.ndarray) -> tuple[Any, bool]:
@@ -102,9 +128,8 @@ def _weighted_sum(grads: list[Any], weights: np.ndarray) -> tuple[Any, bool]:
     """
     if sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(grads[0])) >= JIT_SUM_MIN_ELEMENTS:
         total, finite = _jit_sum_and_check(jax.device_put(grads), weights)
-    else:
-        total, finite = _sum_and_check(grads, weights, np)
-    return total, bool(finite)
+        return total, bool(finite)
+    return _numpy_sum_and_check(grads, weights)
 
 
 def _weighted_mean(usable: Sequence[Estimate]) -> tuple[Any, np.ndarray, float, bool]:
