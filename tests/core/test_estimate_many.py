@@ -23,6 +23,12 @@ from tests.core.linear_system import LinearQuadraticStep
 
 KINDS = ["pes", "nres", "truncated_es", "truncated_grad", "full_es"]
 TRUNC_LENGTH = 5
+# Under popmeta's XLA flags (popmeta.xla_flags) small loops compile to one CPU
+# kernel each, and K truncations in one scan make a different kernel from one
+# truncation alone: their float32 losses round differently, and the PES
+# estimate's antithetic differences carry that into the gradient's fifth digit
+# (up to 2.2e-5 relative on these linear systems; equal to 1e-5 without the flags).
+LOOP_GRAD_RTOL = 1e-4
 
 
 def _estimator(kind, step=None, num_tasks=4):
@@ -195,7 +201,7 @@ def test_truncations_are_weighted_by_their_valid_tasks(kind):
     np.testing.assert_array_equal(expected.weights, [2, 0, 2])
     out, _ = estimator.estimate_many(theta, state, key, 3)
     assert float(out.weight) == expected.weight == 4
-    np.testing.assert_allclose(out.grad, expected.grad, rtol=1e-5)
+    np.testing.assert_allclose(out.grad, expected.grad, rtol=LOOP_GRAD_RTOL)
     assert float(out.mean_loss) == pytest.approx(expected.mean_loss, rel=1e-6)
     assert expected.mean_loss > 0
 
@@ -324,7 +330,7 @@ def test_host_data_falls_back_to_one_call_per_truncation(kind):
     # One batch per truncation (the vectorized step asks each of its 2 tasks).
     assert next(HostDataStep.counter) == 2 * num_truncations
     for result in (out, stacked[0]):
-        np.testing.assert_allclose(result.grad, expected.grad, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(result.grad, expected.grad, rtol=LOOP_GRAD_RTOL, atol=1e-6)
         assert float(result.mean_loss) == pytest.approx(expected.mean_loss, rel=1e-5)
         assert float(result.weight) == expected.weight
         for a, b in zip(_leaves(result.state), _leaves(expected.state), strict=True):
