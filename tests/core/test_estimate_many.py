@@ -27,7 +27,7 @@ TRUNC_LENGTH = 5
 # kernel each, and K truncations in one scan make a different kernel from one
 # truncation alone: their float32 losses round differently, and the PES
 # estimate's antithetic differences carry that into the gradient's fifth digit
-# (up to 2.2e-5 relative on these linear systems; equal to 1e-5 without the flags).
+# (up to 2.2e-5 relative on these linear systems; within 1e-5 without the flags).
 LOOP_GRAD_RTOL = 1e-4
 
 
