@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from popmeta.xla_flags import OPT_OUT_VARIABLE, popmeta_xla_flags, use_xla_cpu_flags
+from popmeta.xla_flags import CPU_FLAGS, OPT_OUT_VARIABLE, use_xla_cpu_flags
 
 # A loop with a matrix product whose buffers (several KiB) are over XLA's
 # default 1 KiB limit for compiling a loop as one kernel.
@@ -37,16 +37,22 @@ print(json.dumps({{
 """
 
 
-def _run(before: str, **env: str) -> dict:
+def _python(code: str, **env: str) -> dict:
+    """The JSON last printed by ``code`` in a fresh interpreter, XLA flags only from ``env``.
+
+    This process's ``XLA_FLAGS`` already holds popmeta's flags (its own
+    ``import popmeta`` put them there), so the child does not inherit it.
+    """
     clean = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", OPT_OUT_VARIABLE)}
     proc = subprocess.run(
-        [sys.executable, "-c", _LOOP.format(before=before)],
-        capture_output=True,
-        text=True,
-        env=clean | env,
+        [sys.executable, "-c", code], capture_output=True, text=True, env=clean | env
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _run(before: str, **env: str) -> dict:
+    return _python(_LOOP.format(before=before), **env)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +65,7 @@ def test_import_popmeta_compiles_a_small_loop_as_one_kernel(without_popmeta):
     assert not without_popmeta["one_kernel"]
     assert with_popmeta["one_kernel"]
     assert with_popmeta["applied"]
-    for name, value in popmeta_xla_flags().items():
+    for name, value in CPU_FLAGS.items():
         assert f"{name}={value}" in with_popmeta["xla_flags"].split()
     np.testing.assert_allclose(with_popmeta["out"], without_popmeta["out"], rtol=1e-5, atol=1e-6)
 
@@ -125,15 +131,7 @@ print(json.dumps({"one_kernel": "xla_cpu_small_call" in text, "grads": np.stack(
 
 
 def test_a_pes_estimate_is_the_same_as_one_kernel():
-    def estimate(**env: str) -> dict:
-        clean = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", OPT_OUT_VARIABLE)}
-        proc = subprocess.run(
-            [sys.executable, "-c", _ESTIMATE], capture_output=True, text=True, env=clean | env
-        )
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    fused, plain = estimate(), estimate(**{OPT_OUT_VARIABLE: "0"})
+    fused, plain = _python(_ESTIMATE), _python(_ESTIMATE, **{OPT_OUT_VARIABLE: "0"})
     assert fused["one_kernel"] and not plain["one_kernel"]
     fused_grads, plain_grads = np.asarray(fused["grads"]), np.asarray(plain["grads"])
     assert np.all(np.isfinite(fused_grads)) and np.abs(plain_grads).max() > 0
