@@ -42,7 +42,7 @@ from popmeta.estimate import Estimate, aggregate
 from popmeta.learner.learner import Learner
 from popmeta.learner.train_state import (
     TrainState,
-    build_apply_estimate_fn,
+    build_apply_estimates_fn,
     make_outer_optimizer,
 )
 from popmeta.population.local import LocalPopulation
@@ -82,11 +82,11 @@ def inner_steps_per_s(config, population_cls, seconds: float) -> tuple[float, in
     population = population_cls(config)
     try:
         for _ in range(3):
-            learner.apply(aggregate(population.gather(learner.theta(), learner.version).estimates))
+            learner.update(population.gather(learner.theta(), learner.version).estimates)
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             gathered = population.gather(learner.theta(), learner.version)
-            learner.apply(aggregate(gathered.estimates))
+            learner.update(gathered.estimates)
             count += len(gathered.estimates)
         elapsed = time.perf_counter() - start
         return count * population.steps_per_estimate / elapsed, population.steps_per_estimate
@@ -98,14 +98,15 @@ def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float,
     """Updates/s and estimates/s of the learner alone, for a theta of ``size`` floats.
 
     The estimates wait in Ray's object store, as actors leave them; each
-    update gets them (zero-copy numpy views), aggregates them, applies the
-    jitted, donating outer step (clip + Adam, the learner's default chain),
-    copies theta to the host and prepares it for the actors as the population
-    does (one ``ray.put``, or nothing for a theta small enough to go inline).
+    update gets them (zero-copy numpy views) and does what ``Learner.update``
+    does: weighs them, and sums them and takes the outer step (clip + Adam,
+    the learner's default chain) in one jitted, donating call; it then copies
+    theta to the host and prepares it for the actors as the population does
+    (one ``ray.put``, or nothing for a theta small enough to go inline).
     """
     tx = make_outer_optimizer("adam", 1e-3)
     state = TrainState.initial_state({"w": jax.numpy.zeros(size)}, tx, jax.random.key(0))
-    apply = build_apply_estimate_fn(donate_params_and_state=True)
+    step = build_apply_estimates_fn(donate_params_and_state=True)
     rng = np.random.default_rng(0)
     refs = [
         ray.put(Estimate({"w": rng.normal(size=size).astype(np.float32)}, 1.0, 8.0, 0, i, {}))
@@ -114,7 +115,10 @@ def learner_capacity(size: int, batch_size: int, seconds: float) -> tuple[float,
 
     def update():
         nonlocal state
-        state, _ = apply(state, aggregate(ray.get(refs)).grad)
+        agg = aggregate(ray.get(refs))
+        state, _, applied = step(state, agg.grads, agg.weights)
+        if not applied:
+            raise SystemExit("learner capacity: the step refused finite estimates")
         theta_argument(jax.tree_util.tree_map(np.asarray, state.params))
 
     for _ in range(3):

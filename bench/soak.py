@@ -57,7 +57,6 @@ import jax
 import numpy as np
 
 from popmeta.config import Config, load_config
-from popmeta.estimate import aggregate
 from popmeta.learner.learner import Learner
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray_for
@@ -221,7 +220,7 @@ def soak(args: argparse.Namespace, mode: str) -> bool:
     with start_ray_for(pc), RayPopulation(config) as population:
         # Warm-up: compile the learner's update before the clock starts.
         gathered = population.gather(learner.theta(), learner.version)
-        learner.apply(aggregate(gathered.estimates))
+        learner.update(gathered.estimates)
         start = time.monotonic()
         end = start + 60 * args.minutes
         killer = Killer(args.kill_every, end, seed=args.seed)
@@ -239,11 +238,9 @@ def soak(args: argparse.Namespace, mode: str) -> bool:
                 counts["lost"] += gathered.lost_in_flight
                 counts["late"] += sum(gathered.accepted_late.values())
                 counts["restarts"] += gathered.restarted
-                agg = aggregate(gathered.estimates)
-                if agg.grad is None:
+                if learner.update(gathered.estimates).norms is None:
                     counts["empty_rounds"] += 1
                     continue
-                learner.apply(agg)
                 update_times.append(time.monotonic())
                 if learner.version % 1000 == 0 and not theta_is_finite(learner.theta()):
                     finite = False

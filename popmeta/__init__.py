@@ -52,6 +52,7 @@ from popmeta.core.truncation import (
 from popmeta.learner.train_state import (
     TrainState,
     build_apply_estimate_fn,
+    build_apply_estimates_fn,
     build_train_step_fn,
     make_outer_optimizer,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "VectorizedLOptTruncatedStep",
     "VectorizedTruncatedStep",
     "build_apply_estimate_fn",
+    "build_apply_estimates_fn",
     "build_train_step_fn",
     "load_config",
     "load_npz_images_8x8",

@@ -207,7 +207,7 @@ class RoundStats:
         self.lost_in_flight += gathered.lost_in_flight
         self.restarts += gathered.restarted
         self.rejected_nonfinite += agg.num_rejected_nonfinite
-        if agg.grad is not None:
+        if agg.num_used:
             self._losses.append(agg.mean_loss)
             for family, loss in agg.family_losses.items():
                 self._family_losses[family].append(loss)

@@ -1,4 +1,4 @@
-"""The meta-training loop: gather estimates, aggregate, update theta, log, checkpoint.
+"""The meta-training loop: gather estimates, update theta with them, log, checkpoint.
 
 This is the top of the run: it owns the population (and, for the Ray engine,
 the Ray runtime it needs), the learner, the TensorBoard summaries and the
@@ -26,7 +26,6 @@ import numpy as np
 
 from popmeta.actors.worker import exported_state_template
 from popmeta.config import Config, ConfigError, config_to_dict
-from popmeta.estimate import aggregate
 from popmeta.evaluate import PeriodicEvaluator, SettingReport, evaluate, settings_of
 from popmeta.experiment import build_task_family
 from popmeta.learner.checkpoints import (
@@ -465,9 +464,12 @@ def _train(
         try:
             while learner.version < tcfg.num_steps and stop.received is None:
                 gathered = population.gather(learner.theta(), learner.version)
-                agg = aggregate(gathered.estimates)
+                update_start = time.perf_counter()
+                update = learner.update(gathered.estimates)
+                update_seconds = time.perf_counter() - update_start
+                agg = update.aggregate
                 stats.add_round(gathered, agg)
-                if agg.grad is None:
+                if update.norms is None:
                     failures += 1
                     log.warning(
                         "step %d: no usable estimate (%d non-finite); theta unchanged",
@@ -479,9 +481,7 @@ def _train(
                         raise DivergedError(_diverged(failures, learner.version, run))
                     continue
                 failures = 0
-                update_start = time.perf_counter()
-                norms = learner.apply(agg)
-                stats.add_update(time.perf_counter() - update_start, norms)
+                stats.add_update(update_seconds, update.norms)
                 step = learner.version
                 meta_losses.append(agg.mean_loss)
                 if step % tcfg.summary_every == 0 or step == tcfg.num_steps:

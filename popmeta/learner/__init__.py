@@ -16,6 +16,7 @@ from popmeta.learner.train_state import (
     LossFn,
     TrainState,
     build_apply_estimate_fn,
+    build_apply_estimates_fn,
     build_train_step_fn,
     make_outer_optimizer,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "LossFn",
     "TrainState",
     "build_apply_estimate_fn",
+    "build_apply_estimates_fn",
     "build_train_step_fn",
     "checkpoint_path",
     "checkpoint_step",

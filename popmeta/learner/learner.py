@@ -1,22 +1,36 @@
-"""The learner: owns theta and the outer optimizer, applies aggregated estimates."""
+"""The learner: owns theta and the outer optimizer, applies each round of estimates."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from popmeta.config import Config
-from popmeta.estimate import Aggregate
+from popmeta.estimate import Aggregate, Estimate, aggregate
 from popmeta.experiment import initial_theta, learner_keys
-from popmeta.learner.train_state import TrainState, build_apply_estimate_fn, make_outer_optimizer
+from popmeta.learner.train_state import TrainState, build_apply_estimates_fn, make_outer_optimizer
 
-__all__ = ["Learner"]
+__all__ = ["Learner", "Update"]
+
+
+class Update(NamedTuple):
+    """What one round did to theta.
+
+    Attributes:
+      aggregate: the estimates used and their weights, and what was left out.
+      norms: ``grad_norm``, ``update_norm`` and ``param_norm`` of the step, or
+        None when no step was taken (nothing usable; theta is unchanged).
+    """
+
+    aggregate: Aggregate
+    norms: dict[str, float] | None
 
 
 class Learner:
-    """Holds the ``TrainState`` of theta; one jitted, donating optax step per update."""
+    """Holds the ``TrainState`` of theta; one jitted, donating step per round of estimates."""
 
     def __init__(self, config: Config):
         self.config = config
@@ -29,8 +43,11 @@ class Learner:
             weight_decay=outer.weight_decay,
         )
         self.state = TrainState.initial_state(theta, tx, learner_keys(config)[1])
-        self._apply = build_apply_estimate_fn(donate_params_and_state=True)
+        self._step = build_apply_estimates_fn(donate_params_and_state=True)
         self._theta_host: Any = None
+        # The most estimates a round has had, and a theta of zeros to pad with.
+        self._round_size = 0
+        self._zeros: Any = None
 
     @property
     def version(self) -> int:
@@ -42,11 +59,48 @@ class Learner:
             self._theta_host = jax.tree_util.tree_map(np.asarray, self.state.params)
         return self._theta_host
 
-    def apply(self, aggregate: Aggregate) -> dict[str, float]:
-        """One outer step with the aggregated gradient; returns its norms."""
-        self.state, metrics = self._apply(self.state, aggregate.grad)
+    def update(self, estimates: Sequence[Estimate]) -> Update:
+        """One outer step with the weighted mean of ``estimates`` (see :func:`aggregate`).
+
+        The mean is taken inside the jitted step, from the arrays as they
+        came. If it is not finite, the step leaves theta as it was, the
+        estimates are checked one by one, and the step is taken again without
+        the non-finite ones; if they were all finite (a sum too large for
+        float32), no step is taken.
+        """
+        agg = aggregate(estimates)
+        norms = self._apply(agg)
+        if norms is None and agg.num_used:
+            agg = aggregate(estimates, check_grads=True)
+            norms = self._apply(agg)
+        return Update(agg, norms)
+
+    def _apply(self, agg: Aggregate) -> dict[str, float] | None:
+        if not agg.num_used:
+            return None
+        grads, weights = self._padded(agg)
+        self.state, metrics, applied = self._step(self.state, grads, weights)
+        if not applied:
+            return None
         self._theta_host = None
         return {k: float(v) for k, v in metrics.items()}
+
+    def _padded(self, agg: Aggregate) -> tuple[tuple[Any, ...], np.ndarray]:
+        """The round's estimates, padded with zeros of weight 0 to the largest round so far.
+
+        The step is compiled once per number of estimates (about a second on
+        CPU), so a round short of an estimate (a lost actor, a rejected
+        estimate) would otherwise stall for a compile. Zeros of weight 0 add
+        exactly nothing to the sum.
+        """
+        self._round_size = max(self._round_size, agg.num_used)
+        missing = self._round_size - agg.num_used
+        if not missing:
+            return agg.grads, agg.weights
+        if self._zeros is None:
+            self._zeros = jax.tree_util.tree_map(np.zeros_like, self.theta())
+        weights = np.concatenate([agg.weights, np.zeros(missing, agg.weights.dtype)])
+        return agg.grads + (self._zeros,) * missing, weights
 
     def checkpoint_tree(self) -> dict[str, Any]:
         return {

@@ -3,15 +3,18 @@
 Everything here is pure: pytrees in, pytrees out, no Ray and no I/O. The shell
 (the population, the run loop, the CLI) owns the side effects.
 
-Two step builders share one update path:
+Three step builders share one update path:
 
 * :func:`build_train_step_fn` differentiates a loss, for ordinary
   gradient-based training in one process.
 * :func:`build_apply_estimate_fn` consumes a gradient estimate that was
   computed elsewhere (an aggregated ES/PES/NRES estimate of theta) and only
   applies the optimizer.
+* :func:`build_apply_estimates_fn` is the learner's step: it takes a round of
+  estimates as they come out of the object store, and averages, checks and
+  applies them in one XLA program.
 
-Both can donate the incoming state's buffers and can be given shardings for the
+All can donate the incoming state's buffers and can be given shardings for the
 state (and batch), in which case XLA keeps params and optimizer state laid out
 as requested across steps.
 """
@@ -19,7 +22,7 @@ as requested across steps.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +35,7 @@ __all__ = [
     "LossFn",
     "TrainState",
     "build_apply_estimate_fn",
+    "build_apply_estimates_fn",
     "build_train_step_fn",
     "make_outer_optimizer",
 ]
@@ -41,6 +45,9 @@ Metrics = dict[str, jax.Array]
 # loss_fn(params, loss_fn_state, batch, rng) -> (loss, (new_loss_fn_state, metrics))
 LossFn = Callable[[PyTree, PyTree, PyTree, jax.Array], tuple[jax.Array, tuple[PyTree, Metrics]]]
 TrainStepFn = Callable[["TrainState", PyTree], tuple["TrainState", Metrics]]
+ApplyEstimatesFn = Callable[
+    ["TrainState", Sequence[PyTree], Any], tuple["TrainState", Metrics, jax.Array]
+]
 
 
 @jax.tree_util.register_dataclass
@@ -138,6 +145,15 @@ def _norm_metrics(grads: PyTree, updates: PyTree, new_params: PyTree) -> Metrics
         "update_norm": optax.tree.norm(updates),
         "param_norm": optax.tree.norm(new_params),
     }
+
+
+def _params_shardings(
+    train_state_shardings: TrainState | jax.sharding.Sharding,
+) -> PyTree | jax.sharding.Sharding:
+    """The shardings of ``params`` within a state's shardings (a gradient is laid out alike)."""
+    if isinstance(train_state_shardings, TrainState):
+        return train_state_shardings.params
+    return train_state_shardings
 
 
 def _maybe_jit(
@@ -255,12 +271,7 @@ def build_apply_estimate_fn(
 
     in_shardings = out_shardings = None
     if train_state_shardings is not None:
-        grad_shardings = (
-            train_state_shardings.params
-            if isinstance(train_state_shardings, TrainState)
-            else train_state_shardings
-        )
-        in_shardings = (train_state_shardings, grad_shardings)
+        in_shardings = (train_state_shardings, _params_shardings(train_state_shardings))
         out_shardings = (train_state_shardings, None)
     return _maybe_jit(
         step,
@@ -269,6 +280,106 @@ def build_apply_estimate_fn(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
     )
+
+
+def _weighted_sum(grads: Sequence[PyTree], weights: jax.Array) -> PyTree:
+    """``sum_i weights[i] * grads[i]``, added in list order."""
+
+    def leaf_sum(*leaves: jax.Array) -> jax.Array:
+        total = weights[0] * leaves[0]
+        for weight, leaf in zip(weights[1:], leaves[1:], strict=True):
+            total = total + weight * leaf
+        return total
+
+    return jax.tree.map(leaf_sum, *grads)
+
+
+def build_apply_estimates_fn(
+    jit: bool = True,
+    donate_params_and_state: bool = False,
+    train_state_shardings: TrainState | jax.sharding.Sharding | None = None,
+) -> ApplyEstimatesFn:
+    """Builds ``step(train_state, grads, weights) -> (new_train_state, metrics, applied)``.
+
+    The learner's update for one round of estimates, in one XLA program: the
+    weighted sum ``sum_i weights[i] * grads[i]`` (in list order), a check that
+    its global norm is finite, and the optax update with that sum as the
+    gradient. ``applied`` is False when the norm is not finite, i.e. when any
+    element of the sum is not (a NaN or an infinity in any estimate of
+    positive weight leaves one there), or when its squares overflow float32
+    (a gradient no optimizer can use either). The returned state then equals
+    the one passed in (its ``step`` too), so such a round never reaches theta,
+    and the caller can find the estimate at fault and call again without it.
+
+    ``grads`` may be the host numpy arrays that ``ray.get`` returns: a jitted
+    call reads aligned host arrays where they lie on CPU (no copy; measured:
+    summing eight 16 MB arrays took as long from the object store's arrays as
+    from device arrays), and the sum is never written out on its own. The
+    program is compiled once per number of estimates; ``weights`` (a float
+    vector, e.g. normalised to sum to 1) is an argument, not a constant.
+
+    Args:
+      jit: whether to wrap the step in ``jax.jit``.
+      donate_params_and_state: donate the incoming ``TrainState``; the passed
+        state must not be used after the call. The estimates are not donated.
+      train_state_shardings: a ``TrainState``-shaped pytree of shardings, or
+        one sharding for every leaf. Every estimate is given the shardings of
+        ``params``.
+
+    Returns:
+      The step function. Metrics, as for :func:`build_apply_estimate_fn`:
+      ``grad_norm`` of the weighted sum, ``update_norm`` and ``param_norm`` of
+      the update it would make (not finite when ``applied`` is False).
+    """
+
+    def step(
+        state: TrainState, grads: Sequence[PyTree], weights: jax.Array
+    ) -> tuple[TrainState, Metrics, jax.Array]:
+        grad = _weighted_sum(grads, weights)
+        candidate, updates = _apply_updates(state, grad)
+        metrics = _norm_metrics(grad, updates, candidate.params)
+        # The norm the metrics (and clipping) compute anyway is finite only if
+        # every element of the sum is; a separate check would read it again.
+        applied = jnp.isfinite(metrics["grad_norm"])
+
+        def keep_if_not_applied(new: PyTree, old: PyTree) -> PyTree:
+            return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+        new_state = state.replace(
+            step=keep_if_not_applied(candidate.step, state.step),
+            params=keep_if_not_applied(candidate.params, state.params),
+            opt_state=keep_if_not_applied(candidate.opt_state, state.opt_state),
+        )
+        return new_state, metrics, applied
+
+    if train_state_shardings is None or not jit:
+        return _maybe_jit(
+            step,
+            jit=jit,
+            donate=donate_params_and_state,
+            in_shardings=None,
+            out_shardings=None,
+        )
+    grad_shardings = _params_shardings(train_state_shardings)
+    # jit's in_shardings follow the arguments' structure, which includes the
+    # number of estimates: one jitted step per count.
+    steps_by_count: dict[int, Callable[..., Any]] = {}
+
+    def sharded_step(
+        state: TrainState, grads: Sequence[PyTree], weights: Any
+    ) -> tuple[TrainState, Metrics, jax.Array]:
+        grads = tuple(grads)
+        if len(grads) not in steps_by_count:
+            steps_by_count[len(grads)] = _maybe_jit(
+                step,
+                jit=True,
+                donate=donate_params_and_state,
+                in_shardings=(train_state_shardings, (grad_shardings,) * len(grads), None),
+                out_shardings=(train_state_shardings, None, None),
+            )
+        return steps_by_count[len(grads)](state, grads, weights)
+
+    return sharded_step
 
 
 def make_outer_optimizer(

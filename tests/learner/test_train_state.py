@@ -16,6 +16,7 @@ import pytest
 from popmeta.learner.train_state import (
     TrainState,
     build_apply_estimate_fn,
+    build_apply_estimates_fn,
     build_train_step_fn,
     make_outer_optimizer,
 )
@@ -151,6 +152,88 @@ def test_clipping_by_global_norm_clips():
     assert float(metrics["update_norm"]) == pytest.approx(0.5, rel=1e-5)
 
 
+def _host_estimates(weights, seed=3):
+    rng = np.random.default_rng(seed)
+    return [
+        {"a": rng.normal(size=1000).astype(np.float32), "b": rng.normal(size=3).astype(np.float32)}
+        for _ in weights
+    ]
+
+
+def test_apply_estimates_takes_the_weighted_mean_of_host_arrays():
+    weights = np.asarray([2, 1, 2, 2, 1, 3], np.float32) / 11
+    grads = _host_estimates(weights)
+    originals = [jax.tree.map(np.copy, g) for g in grads]
+    params = {"a": jnp.zeros(1000), "b": jnp.ones(3)}
+    # Plain SGD with rate 1 and no clipping: the step is the mean itself.
+    tx = make_outer_optimizer("sgd", 1.0, clip_grad_norm=None)
+    state = TrainState.initial_state(params, tx, jax.random.key(0))
+    step = build_apply_estimates_fn(donate_params_and_state=True)
+    new, metrics, applied = step(state, grads, weights)
+
+    assert bool(applied) and int(new.step) == 1
+    mean = {
+        k: sum(w * g[k].astype(np.float64) for w, g in zip(weights, grads, strict=True))
+        for k in "ab"
+    }
+    np.testing.assert_allclose(new.params["a"], -mean["a"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new.params["b"], 1.0 - mean["b"], rtol=1e-5, atol=1e-6)
+    norm = np.sqrt(sum(np.sum(m**2) for m in mean.values()))
+    np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=1e-5)
+    np.testing.assert_allclose(metrics["update_norm"], norm, rtol=1e-5)
+    # The estimates are read, never written; the state was donated.
+    for g, o in zip(grads, originals, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, g, o)
+    assert state.params["a"].is_deleted()
+
+
+def test_apply_estimates_equals_apply_estimate_of_the_mean():
+    weights = np.asarray([0.5, 0.25, 0.25], np.float32)
+    grads = _host_estimates(weights, seed=4)
+    mean = jax.tree.map(
+        lambda *leaves: sum(w * x for w, x in zip(weights, leaves, strict=True)), *grads
+    )
+    tx = make_outer_optimizer("adam", 0.01)
+    params = {"a": jnp.linspace(-1, 1, 1000), "b": jnp.zeros(3)}
+    fused = TrainState.initial_state(params, tx, jax.random.key(0))
+    separate = TrainState.initial_state(params, tx, jax.random.key(0))
+    step, apply = build_apply_estimates_fn(), build_apply_estimate_fn()
+    for _ in range(3):
+        fused, fused_metrics, _ = step(fused, grads, weights)
+        separate, separate_metrics = apply(separate, mean)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        (fused.params, fused.opt_state, fused_metrics),
+        (separate.params, separate.opt_state, separate_metrics),
+    )
+    # One program per number of estimates, whatever the weights.
+    step(fused, grads, np.asarray([0.2, 0.3, 0.5], np.float32))
+    assert step._cache_size() == 1
+    step(fused, grads[:2], np.asarray([0.5, 0.5], np.float32))
+    assert step._cache_size() == 2
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 1e30])
+def test_apply_estimates_leaves_the_state_alone_when_the_mean_is_not_usable(bad):
+    weights = np.asarray([0.5, 0.5], np.float32)
+    grads = _host_estimates(weights, seed=5)
+    # NaN or inf in one estimate; or finite values whose squares overflow float32.
+    grads[1]["a"][7] = bad
+    tx = make_outer_optimizer("adam", 0.01)
+    params = {"a": jnp.linspace(-1, 1, 1000), "b": jnp.zeros(3)}
+    state = TrainState.initial_state(params, tx, jax.random.key(0))
+    state, _, applied = build_apply_estimates_fn()(state, grads[:1], weights[:1] * 2)
+
+    def numbers(s):
+        return jax.tree.map(np.array, (s.step, s.params, s.opt_state))
+
+    before = numbers(state)
+    step = build_apply_estimates_fn(donate_params_and_state=True)
+    new, metrics, applied = step(state, grads, weights)
+    assert not bool(applied) and not np.isfinite(metrics["grad_norm"])
+    jax.tree.map(np.testing.assert_array_equal, numbers(new), before)
+
+
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "sgdm"])
 def test_make_outer_optimizer_names(name):
     tx = make_outer_optimizer(name, 0.1, weight_decay=0.01)
@@ -175,7 +258,8 @@ _SHARDING_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from popmeta.learner.train_state import (
-        TrainState, build_apply_estimate_fn, build_train_step_fn, make_outer_optimizer)
+        TrainState, build_apply_estimate_fn, build_apply_estimates_fn, build_train_step_fn,
+        make_outer_optimizer)
 
     assert jax.device_count() == 4, jax.devices()
     mesh = jax.make_mesh((4,), ("x",))
@@ -216,6 +300,16 @@ _SHARDING_SCRIPT = textwrap.dedent(
     g = {"w": jnp.ones(8), "b": jnp.ones(())}
     s_sh, _ = apply_sharded(s_sh, g)
     s_pl, _ = apply_plain(s_pl, g)
+    # The learner's step, on host estimates as they come from the object store.
+    estimates = [{"w": np.full(8, v, np.float32), "b": np.float32(v)} for v in (1.0, -3.0)]
+    weights = np.asarray([0.25, 0.75], np.float32)
+    estimates_sharded = build_apply_estimates_fn(
+        donate_params_and_state=True, train_state_shardings=state_sh)
+    estimates_plain = build_apply_estimates_fn()
+    for _ in range(2):
+        s_sh, _, applied_sh = estimates_sharded(s_sh, estimates, weights)
+        s_pl, _, applied_pl = estimates_plain(s_pl, estimates, weights)
+        assert bool(applied_sh) and bool(applied_pl)
 
     w_sh = s_sh.params["w"].sharding
     assert isinstance(w_sh, NamedSharding) and w_sh.spec == P("x"), w_sh

@@ -14,7 +14,6 @@ import jax
 import numpy as np
 
 from popmeta.config import Config, config_from_dict
-from popmeta.estimate import aggregate
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Gathered, Population
 from popmeta.population.ray_runtime import quiet_fork
@@ -76,7 +75,7 @@ def run_updates(
         gathered = population.gather(learner.theta(), learner.version)
         if on_gather is not None:
             on_gather(gathered)
-        learner.apply(aggregate(gathered.estimates))
+        learner.update(gathered.estimates)
     return learner.theta()
 
 

@@ -21,7 +21,6 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from popmeta.estimate import aggregate
 from popmeta.learner.learner import Learner
 from popmeta.population.ray_population import RayPopulation
 from tests.population import CALL_TIMEOUT_S, quiet_fork, run_updates, tiny_config
@@ -201,7 +200,7 @@ def test_one_actor_per_tpu_node_and_a_lost_tpu_node(nodes, caplog):
 
         def update():
             gathered = population.gather(learner.theta(), learner.version)
-            learner.apply(aggregate(gathered.estimates))
+            learner.update(gathered.estimates)
             return gathered
 
         for _ in range(3):

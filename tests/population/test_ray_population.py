@@ -27,7 +27,6 @@ import pytest
 import ray
 
 from popmeta.actors.actor import default_compilation_cache_dir
-from popmeta.estimate import aggregate
 from popmeta.experiment import initial_theta
 from popmeta.learner.checkpoints import restore_latest
 from popmeta.learner.learner import Learner
@@ -276,7 +275,7 @@ def test_killed_actor_is_replaced_and_the_run_goes_on(ray_session, caplog, mode,
 
         def update():
             gathered = population.gather(learner.theta(), learner.version)
-            learner.apply(aggregate(gathered.estimates))
+            learner.update(gathered.estimates)
             return gathered
 
         update()
