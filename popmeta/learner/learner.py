@@ -71,8 +71,10 @@ class Learner:
         agg = aggregate(estimates)
         norms = self._apply(agg)
         if norms is None and agg.num_used:
-            agg = aggregate(estimates, check_grads=True)
-            norms = self._apply(agg)
+            checked = aggregate(estimates, check_grads=True)
+            if checked.num_used < agg.num_used:
+                norms = self._apply(checked)
+            agg = checked
         return Update(agg, norms)
 
     def _apply(self, agg: Aggregate) -> dict[str, float] | None:
