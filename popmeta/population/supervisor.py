@@ -42,6 +42,7 @@ the actors compute: callers submit calls with a tag of their choosing and get
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import time
@@ -344,7 +345,8 @@ class ActorSupervisor:
         (an ObjectRef would reach the method unresolved).
 
         Returns:
-          rank -> returned value, for the ranks that answered.
+          rank -> returned value, for the ranks that answered: a copy, which
+          does not hold on to the channel it came through.
         """
         assert self._compiled_method is not None, "no compiled_method was given"
         actors = [
@@ -365,7 +367,14 @@ class ActorSupervisor:
                 self._graph_members = members
             refs = self._graph.execute(*args)
             for actor, ref in zip(actors, refs, strict=True):
-                values[actor.rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                value = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                # A numpy array read from a channel is a view of the channel's
+                # buffer, which Ray releases when the view is freed; a view that
+                # outlives the graph (XLA, given it as an argument, frees it
+                # later) makes that release touch a torn-down channel, which
+                # crashed the driver (SIGSEGV in PlasmaObjectHeader). A copy
+                # owns its memory.
+                values[actor.rank] = copy.deepcopy(value)
                 actor.last_progress = time.monotonic()
         except (RayActorError, RayChannelError) as err:
             # RayTaskError (the method raised) is neither, and propagates.
