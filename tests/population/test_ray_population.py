@@ -121,6 +121,16 @@ def test_sync_rounds_through_a_compiled_graph_equal_the_local_engine(sync_runs, 
     assert tree_bytes(theta) == tree_bytes(sync_runs["local"])
     assert [[e.worker for e in g.estimates] for g in rounds] == [[0, 1]] * len(rounds)
     assert {(g.missing, g.restarted, g.lost_in_flight) for g in rounds} == {((), 0, 0)}
+    # Each estimate owns its arrays: a view of a channel's buffer, freed after
+    # the graph's teardown (XLA frees its arguments late), crashed the driver.
+    arrays = [
+        leaf
+        for g in rounds
+        for e in g.estimates
+        for leaf in jax.tree_util.tree_leaves((e.grad, e.phases))
+        if isinstance(leaf, np.ndarray)
+    ]
+    assert arrays and all(a.flags.owndata for a in arrays)
 
 
 def test_local_population_describes_its_workers_in_this_process(sync_runs):
