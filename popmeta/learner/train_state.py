@@ -318,13 +318,8 @@ def build_apply_estimates_fn(
     program is compiled once per number of estimates; ``weights`` (a float
     vector, e.g. normalised to sum to 1) is an argument, not a constant.
 
-    Args:
-      jit: whether to wrap the step in ``jax.jit``.
-      donate_params_and_state: donate the incoming ``TrainState``; the passed
-        state must not be used after the call. The estimates are not donated.
-      train_state_shardings: a ``TrainState``-shaped pytree of shardings, or
-        one sharding for every leaf. Every estimate is given the shardings of
-        ``params``.
+    Args: as for :func:`build_apply_estimate_fn`; every estimate is given
+    the shardings of ``params``, and none is donated.
 
     Returns:
       The step function. Metrics, as for :func:`build_apply_estimate_fn`:

@@ -222,7 +222,7 @@ def test_apply_estimates_leaves_the_state_alone_when_the_mean_is_not_usable(bad)
     tx = make_outer_optimizer("adam", 0.01)
     params = {"a": jnp.linspace(-1, 1, 1000), "b": jnp.zeros(3)}
     state = TrainState.initial_state(params, tx, jax.random.key(0))
-    state, _, applied = build_apply_estimates_fn()(state, grads[:1], weights[:1] * 2)
+    state, _, _ = build_apply_estimates_fn()(state, grads[:1], weights[:1] * 2)
 
     def numbers(s):
         return jax.tree.map(np.array, (s.step, s.params, s.opt_state))
