@@ -3,6 +3,16 @@
 Run: ``python bench/soak.py [--minutes 2] [--kill-every 5] [--mode sync|async|both]
 [--actors N] [--config configs/quickstart.yaml] [--set key=value ...]``
 
+``--runs N`` instead starts N whole ``popmeta train`` processes per mode, one
+after another, each for ``--steps`` steps, and kills a random actor of the
+run every ``--kill-every`` seconds from its launch on, the first as soon as
+an actor is in its constructor (a kill during the population's start). Every
+run must finish with exit status 0; it prints, per run, the exit status, the
+wall time, the kills (of starting actors among them) and the counts the run
+wrote to TensorBoard (actor restarts, estimates missing from sync rounds,
+lost in flight, dropped as stale, accepted late, live actors at the end):
+``python bench/soak.py --runs 10 --kill-every 6 --mode both --actors 3``.
+
 Runs the real learner loop (gather, aggregate, jitted update) on an embedded
 Ray instance while a timer thread kills a random estimator actor with SIGKILL
 every ``--kill-every`` seconds, ready or still starting (a kill interval
@@ -47,6 +57,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -88,15 +99,15 @@ def _processes() -> dict[int, tuple[int, str]]:
     return found
 
 
-def actor_processes() -> dict[int, str]:
-    """Pid -> title of this driver's estimator actor processes (ready or starting).
+def actor_processes(driver: int | None = None) -> dict[int, str]:
+    """Pid -> title of a driver's estimator actor processes (ready or starting).
 
-    The driver started the raylet, and the raylet starts the actor processes,
-    which Ray renames ``ray::EstimatorActor`` (``...EstimatorActor.__init__``
-    while the constructor runs).
+    The driver (this process by default) started the raylet, and the raylet
+    starts the actor processes, which Ray renames ``ray::EstimatorActor``
+    (``...EstimatorActor.__init__`` while the constructor runs).
     """
     processes = _processes()
-    me = os.getpid()
+    me = os.getpid() if driver is None else driver
     raylets = {pid for pid, (ppid, cmd) in processes.items() if ppid == me and "raylet" in cmd}
     return {
         pid: cmd
@@ -144,29 +155,59 @@ class MemorySamples:
 
 
 class Killer(threading.Thread):
-    """Kills a random actor process every ``every_s`` seconds until stopped or ``until``."""
+    """Kills a random actor process every ``every_s`` seconds until stopped or ``until``.
 
-    def __init__(self, every_s: float, until: float, seed: int = 0):
+    Args:
+      every_s: seconds between kills.
+      until: ``time.monotonic()`` after which it kills no more.
+      seed: seed of the choice of victims.
+      driver: whose actors (default: this process's).
+      first_while_starting: the first kill as soon as an actor is in its
+        constructor, then every ``every_s`` seconds.
+    """
+
+    def __init__(
+        self,
+        every_s: float,
+        until: float,
+        seed: int = 0,
+        driver: int | None = None,
+        first_while_starting: bool = False,
+    ):
         super().__init__(daemon=True)
         self.every_s = every_s
         self.until = until
         self.random = random.Random(seed)
+        self.driver = driver
+        self.first_while_starting = first_while_starting
         self.stop = threading.Event()
         self.kills: list[tuple[float, bool]] = []  # (time.monotonic(), the actor was starting)
 
+    def _kill(self, actors: dict[int, str]) -> None:
+        pid = self.random.choice(sorted(actors))
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.kills.append((time.monotonic(), "__init__" in actors[pid]))
+
     def run(self) -> None:
+        if self.first_while_starting:
+            while not self.stop.wait(0.05) and time.monotonic() < self.until:
+                starting = {
+                    pid: title
+                    for pid, title in actor_processes(self.driver).items()
+                    if "__init__" in title
+                }
+                if starting:
+                    self._kill(starting)
+                    break
         # Stops by itself at ``until`` as well: kills faster than replacements
         # start can leave no actor ready, and the learner waits for one.
         while not self.stop.wait(self.every_s) and time.monotonic() < self.until:
-            actors = actor_processes()
-            if not actors:
-                continue
-            pid = self.random.choice(sorted(actors))
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            self.kills.append((time.monotonic(), "__init__" in actors[pid]))
+            actors = actor_processes(self.driver)
+            if actors:
+                self._kill(actors)
 
 
 class ReadyTimes(logging.Handler):
@@ -317,6 +358,98 @@ def report(
     print(f"  theta finite                      {'yes' if finite else 'NO'}", flush=True)
 
 
+# ---------------------------------------------------------------------- whole runs
+
+#: TensorBoard counts a run reports at its last step, and their labels.
+RUN_COUNTS = {
+    "actor_restarts": "restarts",
+    "missing_estimates": "missing",
+    "lost_in_flight": "lost",
+    "dropped_stale": "stale",
+    "accepted_late": "late",
+    "live_actors": "live",
+}
+
+
+def last_scalars(run_dir: Path) -> dict[str, float]:
+    """The last value of each scalar the run wrote to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
+
+
+def one_run(args: argparse.Namespace, mode: str, index: int, root: str) -> dict[str, float]:
+    """One ``popmeta train`` whose actors are killed; its exit status, time and counts."""
+    name = f"soak-{mode}-{index}"
+    command = [
+        sys.executable,
+        "-m",
+        "popmeta.cli",
+        "train",
+        args.config,
+        *("--set", f"name={name}", "--set", f"run_dir={root}"),
+        *("--set", f"population.mode={mode}", "--set", f"population.num_actors={args.actors}"),
+        *("--set", f"train.num_steps={args.steps}", "--set", "eval.after_training=false"),
+        *[item for override in args.set for item in ("--set", override)],
+    ]
+    start = time.monotonic()
+    log_path = Path(root) / f"{name}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        killer = Killer(
+            args.kill_every,
+            start + 3600,
+            seed=args.seed + index,
+            driver=process.pid,
+            first_while_starting=True,
+        )
+        killer.start()
+        try:
+            status = process.wait(timeout=3600)
+        finally:
+            killer.stop.set()
+            killer.join()
+    result = {"status": status, "seconds": time.monotonic() - start}
+    result["kills"] = len(killer.kills)
+    result["starting"] = sum(starting for _, starting in killer.kills)
+    counts = last_scalars(Path(root) / name) if status == 0 else {}
+    result.update({label: counts.get(tag, float("nan")) for tag, label in RUN_COUNTS.items()})
+    if status != 0:
+        print(log_path.read_text()[-2000:], flush=True)
+    return result
+
+
+def cli_runs(args: argparse.Namespace, mode: str) -> bool:
+    """``--runs`` whole runs of one mode; prints a line per run; True if every run finished."""
+    print(
+        f"\nsoak runs: popmeta train, mode={mode} actors={args.actors} steps={args.steps} "
+        f"kill_every={args.kill_every:g}s (the first while an actor starts) "
+        f"config={args.config}",
+        flush=True,
+    )
+    columns = ["status", "seconds", "kills", "starting", *RUN_COUNTS.values()]
+    print("  run  " + "  ".join(f"{c:>8}" for c in columns), flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="popmeta-soak-runs-") as root:
+        for index in range(args.runs):
+            result = one_run(args, mode, index, root)
+            results.append(result)
+            cells = "  ".join(f"{result[c]:>8.0f}" for c in columns)
+            print(f"  {index:>3}  {cells}", flush=True)
+    finished = sum(r["status"] == 0 for r in results)
+    kills = sum(r["kills"] for r in results)
+    restarts = sum(r["restarts"] for r in results if r["status"] == 0)
+    print(
+        f"  finished {finished}/{len(results)}; kills {kills} "
+        f"({sum(r['starting'] for r in results)} of starting actors); "
+        f"restarts in TensorBoard {restarts:.0f}",
+        flush=True,
+    )
+    return finished == len(results)
+
+
 # ---------------------------------------------------------------------- startup
 
 
@@ -369,6 +502,10 @@ def main() -> int:
     parser.add_argument(
         "--startup", action="store_true", help="measure replacement start, cache off vs on"
     )
+    parser.add_argument(
+        "--runs", type=int, default=0, help="whole `popmeta train` runs per mode instead"
+    )
+    parser.add_argument("--steps", type=int, default=3000, help="steps of each of --runs")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Each replacement logs a warning: keep the report readable.
@@ -378,6 +515,8 @@ def main() -> int:
         startup(args)
         return 0
     modes = ["sync", "async"] if args.mode == "both" else [args.mode]
+    if args.runs:
+        return 0 if all([cli_runs(args, mode) for mode in modes]) else 1
     results = [soak(args, mode) for mode in modes]
     return 0 if all(results) else 1
 

@@ -1,19 +1,59 @@
-"""The ``popmeta`` command line: ``train``, ``validate``, ``eval`` and ``kinds``."""
+"""The ``popmeta`` command line: ``train``, ``validate``, ``eval`` and ``kinds``.
+
+Every failure ends in one paragraph on stderr (``popmeta: ...``) and an exit
+status of :data:`EXIT_STATUSES`, never in a traceback: an unexpected error's
+traceback goes to a file the paragraph names. Output to a terminal or pipe
+that went away (a closed ssh session) is dropped, so the run still saves its
+checkpoint and exits with its own status.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib.metadata
 import logging
+import os
+import signal
 import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
 
 from popmeta.config import ConfigError, config_to_yaml, load_config
 
-__all__ = ["main"]
+__all__ = ["EXIT_STATUSES", "console", "main"]
 
-#: Exit status of a run stopped because a file could not be written (sysexits.h's
-#: EX_IOERR): a scheduler can tell it from a bad config (2) or a divergence (1).
+EX_DIVERGED = 1
+EX_USAGE = 2
+#: sysexits.h's EX_UNAVAILABLE: the actors could not be placed or kept up.
+EX_UNAVAILABLE = 69
+#: sysexits.h's EX_SOFTWARE: an unexpected error inside popmeta or a library.
+EX_SOFTWARE = 70
+#: sysexits.h's EX_IOERR: a file the run must keep could not be written.
 EX_IOERR = 74
+#: sysexits.h's EX_CONFIG: an actor could not be built on its node.
+EX_CONFIG = 78
+EX_INTERRUPTED = 130
+
+#: Every exit status ``popmeta`` returns, and what it means (README's table).
+EXIT_STATUSES = {
+    0: "done (or the run had already finished)",
+    EX_DIVERGED: "the run diverged: no finite estimate for 20 rounds in a row",
+    EX_USAGE: "refused before anything started: a bad command line, config, data file, "
+    "run directory or checkpoint, or workers that cannot fit in memory",
+    EX_UNAVAILABLE: "the actors could not be placed, started or kept up (a rank replaced "
+    "population.max_actor_restarts times in a row, no node left to host one)",
+    EX_SOFTWARE: "an unexpected error: its traceback is in the file the message names",
+    EX_IOERR: "a file could not be written (a checkpoint, the config, the evaluation's "
+    "output); earlier checkpoints are intact",
+    EX_CONFIG: "an actor could not be built on its node (its constructor raised)",
+    EX_INTERRUPTED: "stopped by Ctrl-C, SIGTERM or SIGHUP (after a checkpoint of the step "
+    "it stopped at, when it was training)",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,7 +122,23 @@ def _version() -> str:
         return "unknown"
 
 
+def _fail(message: str, status: int) -> int:
+    print(f"popmeta: {message}", file=sys.stderr)
+    return status
+
+
+def _report_file(text: str) -> str:
+    """Writes ``text`` to a new file in the temporary directory and returns its path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    fd, path = tempfile.mkstemp(prefix=f"popmeta-error-{stamp}-", suffix=".txt")
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(text)
+    return path
+
+
 def _train(config, from_checkpoint: str | None) -> int:
+    from popmeta.population.placement import PlacementError
+    from popmeta.population.supervisor import ActorStartError, PopulationLostError
     from popmeta.run_dir import RunDirectoryError
     from popmeta.train import DivergedError, RunWriteError, train
 
@@ -95,10 +151,28 @@ def _train(config, from_checkpoint: str | None) -> int:
     )
     try:
         result = train(config, from_checkpoint=from_checkpoint)
-    except (ConfigError, RunDirectoryError, DivergedError, RunWriteError) as err:
-        print(f"popmeta: {err}", file=sys.stderr)
-        # A scheduler tells a bad start (2) from a divergence (1) and a write failure.
-        return {DivergedError: 1, RunWriteError: EX_IOERR}.get(type(err), 2)
+    except (ConfigError, RunDirectoryError) as err:
+        return _fail(str(err), EX_USAGE)
+    except DivergedError as err:
+        return _fail(str(err), EX_DIVERGED)
+    except RunWriteError as err:
+        return _fail(str(err), EX_IOERR)
+    except ActorStartError as err:
+        details = _report_file(err.details)
+        return _fail(
+            f"{err}. The actor's constructor raised, and a new actor would raise again, so "
+            "the run stopped. Fix the cause on that node (a module or data file the actors "
+            "cannot find, a library that fails there; population.env sets the actors' "
+            "environment) and rerun the same command: it resumes from the run's newest "
+            f"checkpoint, if it has one. The actor's traceback is in {details}",
+            EX_CONFIG,
+        )
+    except (PopulationLostError, PlacementError) as err:
+        return _fail(
+            f"{err}. Rerun the same command once the cluster can host the actors: it resumes "
+            "from the run's newest checkpoint (a run that trained wrote one of its last step)",
+            EX_UNAVAILABLE,
+        )
     if result.already_finished:
         return 0
     print(f"\nrun directory: {result.run_dir} (TensorBoard: tensorboard --logdir {result.run_dir})")
@@ -114,30 +188,30 @@ def _train(config, from_checkpoint: str | None) -> int:
             "`popmeta eval` on the last checkpoint adds the longer horizon and the "
             "out-of-distribution settings, a PNG and a CSV"
         )
-    return 130 if result.interrupted else 0
+    return EX_INTERRUPTED if result.interrupted else 0
 
 
 def _eval(checkpoint: str, out: str | None, overrides: list[str]) -> int:
     from popmeta.config import config_from_dict, config_to_dict
-    from popmeta.evaluate import evaluate_checkpoint, format_reports
+    from popmeta.evaluate import EvalWriteError, evaluate_checkpoint, format_reports
 
     for override in overrides:
         if not override.startswith("eval."):
-            print(
-                f"popmeta: eval --set {override}: only eval.* fields can change; the rest "
+            return _fail(
+                f"eval --set {override}: only eval.* fields can change; the rest "
                 "of the config is the checkpoint's own",
-                file=sys.stderr,
+                EX_USAGE,
             )
-            return 2
 
     def with_overrides(config):
         return config_from_dict(config_to_dict(config), "the checkpoint's config", overrides)
 
     try:
         reports, written = evaluate_checkpoint(checkpoint, out, config_changes=with_overrides)
+    except EvalWriteError as err:
+        return _fail(str(err), EX_IOERR)
     except (OSError, ValueError) as err:
-        print(f"popmeta: {err}", file=sys.stderr)
-        return 2
+        return _fail(str(err), EX_USAGE)
     print(format_reports(reports), end="")
     print(f"curves (PNG): {written.png}")
     print(f"table (CSV):  {written.csv}")
@@ -145,10 +219,7 @@ def _eval(checkpoint: str, out: str | None, overrides: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("popmeta").setLevel(logging.INFO)
+def _command(args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _eval(args.checkpoint, args.out, args.overrides)
     if args.command == "kinds":
@@ -162,13 +233,96 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"population.address={args.address}")
         config = load_config(args.config, overrides)
     except (ConfigError, OSError) as err:
-        print(f"popmeta: {err}", file=sys.stderr)
-        return 2
+        return _fail(str(err), EX_USAGE)
     if args.command == "validate":
         print(config_to_yaml(config), end="")
         return 0
     return _train(config, args.from_checkpoint)
 
 
+def _unexpected(err: Exception) -> int:
+    text = "".join(traceback.format_exception(err))
+    try:
+        where = f"the traceback is in {_report_file(text)}"
+    except OSError:
+        where = "the traceback could not be written to a file"
+    hint = ""
+    if "RESOURCE_EXHAUSTED" in str(err) or "Out of memory" in str(err):
+        hint = " XLA ran out of memory: lower estimator.num_tasks or population.num_actors."
+    return _fail(
+        f"unexpected error: {type(err).__name__}: {err}.{hint} This is a bug in popmeta or a "
+        f"library it uses; {where}: please include it when you report it",
+        EX_SOFTWARE,
+    )
+
+
+class _DropWhenGone:
+    """A text stream whose output is dropped once its terminal or pipe is gone (EIO, EPIPE).
+
+    The stream's descriptor is then pointed at ``/dev/null``, so later writes,
+    flushes and the interpreter's own flush at exit succeed.
+    """
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def _gone(self, err: OSError) -> None:
+        if err.errno not in (errno.EPIPE, errno.EIO):
+            raise err
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            self._gone(err)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            self._gone(err)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _output_that_survives_a_hangup() -> Iterator[None]:
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _DropWhenGone(sys.stdout), _DropWhenGone(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    with _output_that_survives_a_hangup():
+        try:
+            args = _parser().parse_args(argv)
+            logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+            logging.getLogger("popmeta").setLevel(logging.INFO)
+            return _command(args)
+        except KeyboardInterrupt as err:
+            return _fail(str(err) or "interrupted", EX_INTERRUPTED)
+        except Exception as err:
+            return _unexpected(err)
+
+
+def console() -> None:
+    """The ``popmeta`` command: :func:`main`, and its status as the process's exit status."""
+    status = main()
+    if status == EX_INTERRUPTED:
+        # Ray's exit handler still stops the processes this run started: one
+        # more Ctrl-C must not break that off half-way.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

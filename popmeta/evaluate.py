@@ -36,6 +36,7 @@ import csv
 import math
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -51,7 +52,16 @@ from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, Optimizer
 from popmeta.experiment import build_learned_optimizer, build_task_family, initial_theta
 from popmeta.learner.checkpoints import load_checkpoint, read_checkpoint_metadata
 from popmeta.learner.learner import Learner
-from popmeta.storage import join, local_file, local_output_dir, parent
+from popmeta.storage import (
+    RemoteDir,
+    StorageError,
+    is_remote,
+    join,
+    local_file,
+    local_output_dir,
+    local_path,
+    parent,
+)
 from popmeta.summaries import Summaries
 
 __all__ = [
@@ -59,10 +69,12 @@ __all__ = [
     "LEARNING_RATES",
     "Comparison",
     "EvalOutput",
+    "EvalWriteError",
     "PeriodicEvaluator",
     "Setting",
     "SettingReport",
     "TaskScores",
+    "check_output_dir",
     "compare",
     "evaluate",
     "evaluate_checkpoint",
@@ -539,6 +551,29 @@ def write_reports(reports: Sequence[SettingReport], out_dir: str | Path, title: 
     )
 
 
+class EvalWriteError(OSError):
+    """The evaluation's output (PNG, CSV, TensorBoard curves) cannot be written where asked."""
+
+
+def check_output_dir(out_dir: str | Path) -> None:
+    """Raises :class:`EvalWriteError` if ``out_dir`` cannot take the evaluation's output.
+
+    Checked before evaluating, so an unwritable place fails in a second, not
+    after the whole evaluation. A storage URI must answer; a local directory
+    is created and a file written and removed in it.
+    """
+    try:
+        if is_remote(out_dir):
+            RemoteDir(str(out_dir)).check_reachable()
+            return
+        folder = local_path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".popmeta-probe-"):
+            pass
+    except (OSError, StorageError) as err:
+        raise EvalWriteError(f"cannot write the evaluation's output to {out_dir}: {err}") from None
+
+
 def load_theta(checkpoint: str | Path) -> tuple[Config, Any]:
     """The config and theta stored in a training checkpoint."""
     metadata = read_checkpoint_metadata(checkpoint)
@@ -567,15 +602,22 @@ def evaluate_checkpoint(
 
     Returns:
       The reports and where they were written.
+
+    Raises:
+      EvalWriteError: the output cannot be written (checked before evaluating).
     """
     with local_file(checkpoint) as local_checkpoint:
         config, theta = load_theta(local_checkpoint)
         name = local_checkpoint.name
     if config_changes is not None:
         config = config_changes(config)
-    reports = evaluate(config, theta, stream=stream)
     out = out_dir if out_dir else join(parent(parent(checkpoint)), "eval")
-    return reports, write_reports(reports, out, f"{config.name}: {name}")
+    check_output_dir(out)
+    reports = evaluate(config, theta, stream=stream)
+    try:
+        return reports, write_reports(reports, out, f"{config.name}: {name}")
+    except (OSError, StorageError) as err:
+        raise EvalWriteError(f"cannot write the evaluation's output to {out}: {err}") from None
 
 
 # -- during training ------------------------------------------------------------------------

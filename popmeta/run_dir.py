@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
@@ -78,6 +79,7 @@ __all__ = [
     "SAFE_TO_CHANGE",
     "RunDirectory",
     "RunDirectoryError",
+    "RunWriteError",
     "config_differences",
 ]
 
@@ -91,6 +93,8 @@ SAFE_TO_CHANGE = (
     "train.keep_checkpoints",
     "population.address",
     "population.call_timeout_s",
+    "population.call_timeout_factor",
+    "population.min_call_timeout_s",
     "population.max_actor_restarts",
     "eval.",
 )
@@ -105,6 +109,27 @@ log = logging.getLogger("popmeta")
 
 class RunDirectoryError(RuntimeError):
     """The run directory cannot host this start; the message says why and what to do."""
+
+
+class RunWriteError(RuntimeError):
+    """A file the run must keep (a checkpoint, its config) could not be written.
+
+    The disk is full, the run directory became read-only, or the disk failed.
+    The run stopped after its current step; the checkpoints written before are
+    intact (a checkpoint is renamed into place only once complete). The
+    message names the file, the OS error, what to do and the checkpoint a
+    rerun of the same command resumes from.
+    """
+
+
+def _close_quietly(handle: Any) -> None:
+    # Closing flushes the lock file's text (who holds it); on a full disk that
+    # fails, and must neither hide the run's own error nor keep the lock.
+    with contextlib.suppress(OSError):
+        handle.close()
+    if not handle.closed:  # a failed flush may leave the file open: close without it
+        with contextlib.suppress(OSError, ValueError):
+            os.close(handle.fileno())
 
 
 def _fields(config: Config) -> dict[str, Any]:
@@ -160,6 +185,26 @@ class RunDirectory:
     def location(self) -> Path | str:
         """Where the run lives: the local directory, or the storage URI."""
         return self.remote_uri or self.path
+
+    def write_failure(self, path: Path, err: OSError, step: int) -> RunWriteError:
+        """The error that stops the run at ``step`` because ``path`` could not be written."""
+        checkpoints = list_checkpoints(self.checkpoints)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"Free space on the disk that holds {self.path}"
+        elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            fix = f"Make {self.path} writable again (it is read-only or its permissions changed)"
+        else:
+            fix = f"Check the disk that holds {self.path}"
+        resume = (
+            f"then rerun the same command: it resumes from {self.location_of(checkpoints[-1])}, "
+            "the newest checkpoint, which is intact."
+            if checkpoints
+            else "then rerun the same command; no checkpoint was written yet, so it starts afresh."
+        )
+        return RunWriteError(
+            f"cannot write {path}: {err.strerror or err} (errno {err.errno}). The run stopped "
+            f"at step {step}. {fix}, {resume}"
+        )
 
     def location_of(self, path: Path) -> Path | str:
         """The lasting name of a file under :attr:`path` (its URI for a remote run)."""
@@ -275,7 +320,7 @@ class RunDirectory:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            handle.close()
+            _close_quietly(handle)
             raise RunDirectoryError(
                 f"{self.path} is in use by a live run ({holder}); wait for it to end, "
                 f"or start this one with --set name=NEW"
@@ -292,7 +337,7 @@ class RunDirectory:
             yield
         except BaseException:
             if created and not self._recorded:
-                handle.close()
+                _close_quietly(handle)
                 shutil.rmtree(self.path, ignore_errors=True)
             raise
         finally:
@@ -300,7 +345,7 @@ class RunDirectory:
                 # Unlinked while still locked: no other start can lock this file meanwhile.
                 with contextlib.suppress(OSError):
                     lock_path.unlink()
-                handle.close()
+                _close_quietly(handle)
 
     @contextlib.contextmanager
     def _claim_remote(self) -> Iterator[None]:
@@ -442,6 +487,7 @@ class RunDirectory:
 
         Raises:
           RunDirectoryError: the file's name is not a checkpoint's.
+          RunWriteError: the later checkpoints cannot be moved aside.
         """
         try:
             step = checkpoint_step(checkpoint)
@@ -450,6 +496,22 @@ class RunDirectory:
         later = [p for p in list_checkpoints(self.checkpoints) if checkpoint_step(p) > step]
         if later:
             aside = self.path / f"checkpoints-after-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-            aside.mkdir(parents=True)
-            for path in later:
+            self.move_aside(later, aside)
+
+    def move_aside(self, paths: list[Path], aside: Path) -> None:
+        """Moves ``paths`` into the new folder ``aside`` of this run (kept, never deleted).
+
+        Raises:
+          RunWriteError: the folder cannot be made or a file cannot be moved
+            (nothing was trained; the files not moved are where they were).
+        """
+        try:
+            aside.mkdir(parents=True, exist_ok=True)
+            for path in paths:
                 path.rename(aside / path.name)
+        except OSError as err:
+            raise RunWriteError(
+                f"cannot move {len(paths)} checkpoint(s) aside to {aside}: "
+                f"{err.strerror or err} (errno {err.errno}). Nothing was trained; make "
+                f"{self.path} writable (or free space on its disk) and rerun the same command"
+            ) from None

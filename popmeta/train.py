@@ -5,15 +5,17 @@ the Ray runtime it needs), the learner, the TensorBoard summaries and the
 checkpoints, and it closes them in an order that keeps the run directory
 consistent whatever fails: the final checkpoint is written first, then the
 event files are closed, then the population and finally Ray are shut down.
+A run that diverges writes no final checkpoint: its newest checkpoint stays
+the last good one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -24,123 +26,137 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from popmeta.actors.worker import exported_state_template
-from popmeta.config import Config, ConfigError, config_to_dict
+from popmeta.config import Config, ConfigError
 from popmeta.evaluate import PeriodicEvaluator, SettingReport, evaluate, settings_of
 from popmeta.experiment import build_task_family
-from popmeta.learner.checkpoints import (
-    Checkpoint,
-    CheckpointCorruptedError,
-    checkpoint_path,
-    list_checkpoints,
-    load_checkpoint,
-    restore_latest,
-    save_checkpoint,
-)
+from popmeta.footprint import check_memory
+from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Population
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray_for
-from popmeta.run_dir import RunDirectory, RunDirectoryError
+from popmeta.run_checkpoints import RunCheckpoints
+from popmeta.run_dir import RunDirectory, RunWriteError
 from popmeta.summaries import RoundStats, Summaries
 
-__all__ = ["DivergedError", "RunResult", "RunWriteError", "open_population", "train"]
+__all__ = [
+    "DivergedError",
+    "RunInterrupted",
+    "RunResult",
+    "RunWriteError",
+    "open_population",
+    "train",
+]
 
 log = logging.getLogger("popmeta")
 
 #: Consecutive rounds with no usable estimate after which the run stops.
 MAX_FAILED_ROUNDS = 20
 
-#: The checkpoint section with the workers' exported states, by rank: optional,
-#: so readers that need only the learner (evaluation) leave it out.
-WORKERS = "workers"
-
 
 class DivergedError(RuntimeError):
     """No finite estimate for ``MAX_FAILED_ROUNDS`` rounds in a row; theta was left unchanged."""
 
 
-class RunWriteError(RuntimeError):
-    """A file the run must keep (a checkpoint, its config) could not be written.
-
-    The disk is full, the run directory became read-only, or the disk failed.
-    The run stopped after its current step; the checkpoints written before are
-    intact (a checkpoint is renamed into place only once complete). The
-    message names the file, the OS error, what to do and the checkpoint a
-    rerun of the same command resumes from.
-    """
-
-
-def _write_failed(path: Path, err: OSError, step: int, run: RunDirectory) -> str:
-    checkpoints = list_checkpoints(run.checkpoints)
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        fix = f"Free space on the disk that holds {run.path}"
-    elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        fix = f"Make {run.path} writable again (it is read-only or its permissions changed)"
-    else:
-        fix = f"Check the disk that holds {run.path}"
-    resume = (
-        f"then rerun the same command: it resumes from {run.location_of(checkpoints[-1])}, the "
-        "newest checkpoint, "
-        "which is intact."
-        if checkpoints
-        else "then rerun the same command; no checkpoint was written yet, so it starts afresh."
-    )
-    return (
-        f"cannot write {path}: {err.strerror or err} (errno {err.errno}). The run stopped "
-        f"at step {step}. {fix}, {resume}"
-    )
+class RunInterrupted(KeyboardInterrupt):
+    """A signal stopped the run while it was starting or closing; the message says what is kept."""
 
 
 def _diverged(failures: int, step: int, run: RunDirectory) -> str:
     checkpoints = list_checkpoints(run.checkpoints)
     listing = ", ".join(path.name for path in checkpoints) or "none yet"
-    # The newest holds the theta whose estimates are all non-finite: suggest the one before.
-    start = checkpoints[-2] if len(checkpoints) > 1 else (checkpoints or [None])[-1]
     how = (
-        f" To go on from an earlier one with a change (e.g. a smaller "
-        f"outer_optimizer.learning_rate): popmeta train CONFIG --from-checkpoint {run.location_of(start)} "
-        "--set ...; or start afresh with --set name=NEW."
-        if start is not None
+        " To go on from the newest, which is intact and finite, with a change (e.g. a "
+        "smaller outer_optimizer.learning_rate): popmeta train CONFIG --from-checkpoint "
+        f"{run.location_of(checkpoints[-1])} --set ...; or start afresh with --set name=NEW."
+        if checkpoints
         else " Start afresh with --set name=NEW and, e.g., a smaller outer_optimizer.learning_rate."
     )
     return (
         f"{failures} rounds in a row without a finite estimate at step {step}: every estimate "
         f"was non-finite (counted as rejected_nonfinite in TensorBoard) and theta was left "
-        f"unchanged. Checkpoints of {run.location}: {listing}.{how}"
+        f"unchanged. No checkpoint was written for it: the run's checkpoints ({listing}) are "
+        f"those written before.{how}"
     )
 
 
-class _StopSignals:
-    """SIGINT and SIGTERM ask the loop to stop after the current step; a second SIGINT at once.
+def _note(text: str) -> None:
+    # From a signal handler: straight to the descriptor, as a buffered stream
+    # may be in the middle of a write; a terminal that hung up takes nothing.
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
 
-    A flag read between steps cannot be lost in the middle of a blocking Ray or
-    XLA call the way a KeyboardInterrupt raised there can, and the run ends
-    with a checkpoint of a complete step. Python runs signal handlers in the
-    main thread only, so elsewhere (a run started from a worker thread) the
-    process keeps its handlers.
+
+class _StopSignals:
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session), by phase of the run.
+
+    ``starting``: the start is abandoned at once (``KeyboardInterrupt``), as
+    nothing is trained yet. ``training``: the loop stops after the current
+    step (a flag read between steps cannot be lost in the middle of a blocking
+    Ray or XLA call), and the run ends with a checkpoint of that step; a
+    second SIGINT stops at once. ``closing`` (the checkpoint is written): the
+    first signal only says so, the next stops at once. SIGHUP is left alone
+    where it is ignored (``nohup``). Python runs signal handlers in the main
+    thread only, so elsewhere (a run started from a worker thread) the process
+    keeps its handlers.
     """
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.phase = "starting"
+        self.trained = False
+        self._noted = False
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         del frame
-        if self.received is not None and signum == signal.SIGINT:
+        name = signal.Signals(signum).name
+        if self.phase == "starting":
+            self.received, self.phase = name, "closing"
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        if self.phase == "training":
+            if self.received is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.received = name
+            return
+        if self.phase == "closing" and self._noted:
+            raise KeyboardInterrupt
+        if not self._noted:
+            self._noted = True
+            waiting = "saving its checkpoint first" if self.phase == "saving" else "closing the run"
+            _note(f"\npopmeta: {name}: {waiting}; once more after that stops at once\n")
 
     def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN:
+                    continue
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+    def interrupted_message(self, run: RunDirectory) -> str:
+        """What a signal that stopped the run outside the loop leaves behind."""
+        name = self.received or "SIGINT"
+        if not self.trained:
+            return (
+                f"{name} while the run was starting: nothing was trained and nothing of "
+                "this start was kept; rerun the same command to start again"
+            )
+        checkpoints = list_checkpoints(run.checkpoints)
+        kept = (
+            f"its newest checkpoint is {run.location_of(checkpoints[-1])}"
+            if checkpoints
+            else "it has no checkpoint yet"
+        )
+        return (
+            f"{name} while the run was closing: {kept}; rerun the same command to resume. "
+            "Ray's processes, if this run started them, stop with this process"
+        )
 
 
 class RunResult(NamedTuple):
@@ -155,7 +171,7 @@ class RunResult(NamedTuple):
         tuned baselines at the trained horizon, with paired intervals (empty
         when interrupted or already finished; ``popmeta eval`` runs every
         setting).
-      interrupted: Ctrl-C or SIGTERM stopped the run (a checkpoint was written).
+      interrupted: Ctrl-C, SIGTERM or SIGHUP stopped the run (a checkpoint was written).
       already_finished: the run had reached ``train.num_steps`` before this
         call, which then started nothing.
     """
@@ -247,10 +263,11 @@ def train(
 
     Writes ``config.yaml``, TensorBoard events and checkpoints under
     ``run_dir/name``. Ctrl-C stops after the current step, saves a checkpoint
-    and closes the event files (so does SIGTERM, e.g. from a scheduler that
-    preempts the job): the run directory stays consistent. Checkpoints hold the
-    learner and the workers' states, so a sync run resumed from one continues
-    bit for bit (see :func:`_checkpoint_contents` and :func:`_saved_worker_states`).
+    and closes the event files (so do SIGTERM, e.g. from a scheduler that
+    preempts the job, and SIGHUP, from a terminal that closed): the run
+    directory stays consistent. Checkpoints hold the learner and the workers'
+    states, so a sync run resumed from one continues bit for bit (see
+    :mod:`popmeta.run_checkpoints`).
 
     Args:
       config: the run's config.
@@ -263,23 +280,49 @@ def train(
         :meth:`~popmeta.run_dir.RunDirectory.take_over_from`).
 
     Raises:
-      ConfigError: a data file the config names is missing or malformed.
+      ConfigError: a data file the config names is missing or malformed, or
+        the workers cannot fit in memory.
       RunDirectoryError: the run directory holds another experiment, is in use
-        by a live run, cannot be written, or its checkpoint does not fit.
+        by a live run, cannot be written, its checkpoint does not fit, or
+        every checkpoint in it is damaged.
+      RunWriteError: a file the run must keep could not be written.
+      DivergedError: no finite estimate for ``MAX_FAILED_ROUNDS`` rounds.
+      RunInterrupted: a signal stopped the run while it was starting or closing.
+      ActorStartError, PopulationLostError, PlacementError: the Ray actors
+        could not be built or kept up (:mod:`popmeta.population.supervisor`).
     """
     stream = stream or sys.stdout
     run = RunDirectory(config)
+    with _StopSignals() as stop:
+        try:
+            return _start(config, run, population_factory, stream, from_checkpoint, stop)
+        except RunInterrupted:
+            raise
+        except KeyboardInterrupt:
+            raise RunInterrupted(stop.interrupted_message(run)) from None
+
+
+def _start(
+    config: Config,
+    run: RunDirectory,
+    population_factory: PopulationFactory | None,
+    stream,
+    from_checkpoint: str | Path | None,
+    stop: _StopSignals,
+) -> RunResult:
     run.check_writable()
     _check_task_data(config)
+    check_memory(config)
     with run.claim():
         if from_checkpoint is None:
             run.check_identity()
         else:
             from_checkpoint = run.fetch_checkpoint(from_checkpoint)
         learner = Learner(config)
+        checkpoints = RunCheckpoints(run, config, stream)
         # Restored (so read and checked) before the take-over moves anything:
         # a checkpoint that does not fit leaves the run directory as it was.
-        worker_states = _restore(learner, run, from_checkpoint, stream)
+        worker_states = checkpoints.restore(learner, from_checkpoint)
         if from_checkpoint is not None:
             run.take_over_from(from_checkpoint)
         if learner.version >= config.train.num_steps:
@@ -290,7 +333,8 @@ def train(
                 file=stream,
             )
             return RunResult(run.location, learner.version, math.nan, math.nan, [], False, True)
-        return _train(config, run, learner, population_factory, stream, worker_states)
+        loop = _RunLoop(config, run, learner, checkpoints, stream, stop)
+        return loop.train(population_factory, worker_states)
 
 
 def _check_task_data(config: Config) -> None:
@@ -311,63 +355,6 @@ def _check_task_data(config: Config) -> None:
                 raise ConfigError(f"{where}: {err}") from None
 
 
-def _restore(
-    learner: Learner, run: RunDirectory, from_checkpoint: str | Path | None, stream
-) -> dict[int, Any]:
-    """Restores the learner from ``from_checkpoint``, else from the run's newest checkpoint.
-
-    Returns:
-      The worker states saved with it, by rank (see :func:`_saved_worker_states`).
-    """
-    target = learner.checkpoint_tree()
-    try:
-        if from_checkpoint is not None:
-            restored = load_checkpoint(from_checkpoint, target)
-        else:
-            restored = restore_latest(run.checkpoints, target)
-    except (OSError, CheckpointCorruptedError) as err:
-        if from_checkpoint is None:  # restore_latest skips damaged files itself
-            raise
-        raise RunDirectoryError(f"--from-checkpoint {from_checkpoint}: {err}") from None
-    except ValueError as err:
-        raise RunDirectoryError(
-            f"{err}. The checkpoint does not fit learned_optimizer.kind="
-            f"{run.config.learned_optimizer.kind!r} as configured; start a new run with "
-            "--set name=NEW"
-        ) from None
-    if restored is None:
-        return {}
-    learner.restore(restored.tree)
-    print(f"resumed from {restored.path} at step {learner.version}", file=stream)
-    return _saved_worker_states(run.config, learner, restored, stream)
-
-
-def _saved_worker_states(
-    config: Config, learner: Learner, restored: Checkpoint, stream
-) -> dict[int, Any]:
-    """The worker states saved in the ``restored`` checkpoint, by rank.
-
-    Empty when it has none (a checkpoint written mid-round, or before worker
-    states were saved), or when they do not fit ``config`` (a take-over that
-    changed the estimator or the tasks): the workers then start afresh.
-    """
-    ranks = restored.metadata.get("worker_ranks", [])
-    if not ranks:
-        return {}
-    template = exported_state_template(config)
-    target = {**learner.checkpoint_tree(), WORKERS: {str(rank): template for rank in ranks}}
-    try:
-        tree = load_checkpoint(restored.path, target).tree
-    except ValueError as err:
-        print(
-            f"the worker states in {restored.path} do not fit this config ({err}); "
-            "every worker starts afresh",
-            file=stream,
-        )
-        return {}
-    return {int(rank): state for rank, state in tree[WORKERS].items()}
-
-
 def _load_worker_states(population: Population, states: dict[int, Any], stream) -> None:
     """Hands the saved worker states to the population and says which ranks continue."""
     outcome = population.load_worker_states(states)
@@ -378,89 +365,75 @@ def _load_worker_states(population: Population, states: dict[int, Any], stream) 
     print("\n".join(lines), file=stream)
 
 
-def _checkpoint_contents(
-    learner: Learner, population: Population, config: Config
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The tree and metadata of a checkpoint now: the learner, and the workers' states.
+class _RunLoop:
+    """One start's training: population, summaries and progress around the learner's steps."""
 
-    The worker states are left out where the population has none to give (a
-    round interrupted half-way) or cannot give them: the learner's checkpoint
-    is written whatever happened to the workers.
-    """
-    tree = learner.checkpoint_tree()
-    try:
-        states = population.export_worker_states()
-    except Exception as err:  # whatever the workers did, the learner's checkpoint is written
-        log.warning("the worker states are not saved in this checkpoint: %r", err)
-        states = {}
-    if states:
-        tree[WORKERS] = {str(rank): state for rank, state in states.items()}
-    metadata = {"config": config_to_dict(config), "worker_ranks": sorted(states)}
-    return tree, metadata
+    def __init__(
+        self,
+        config: Config,
+        run: RunDirectory,
+        learner: Learner,
+        checkpoints: RunCheckpoints,
+        stream,
+        stop: _StopSignals,
+    ):
+        self.config, self.run, self.learner = config, run, learner
+        self.checkpoints, self.stream, self.stop = checkpoints, stream, stop
+        self.meta_losses: list[float] = []
 
-
-def _train(
-    config: Config,
-    run: RunDirectory,
-    learner: Learner,
-    population_factory: PopulationFactory | None,
-    stream,
-    worker_states: dict[int, Any],
-) -> RunResult:
-    run_dir, ckpt_dir = run.path, run.checkpoints
-    tcfg = config.train
-    meta_losses: list[float] = []
-    interrupted = False
-    failure: BaseException | None = None
-    failures = 0
-    saved_step: int | None = None
-
-    def checkpoint():
-        nonlocal saved_step
-        if saved_step == learner.version:
-            # This run saved this step already (at its boundary, with the
-            # worker states): the final save after a boundary would repeat it.
-            return
-        tree, metadata = _checkpoint_contents(learner, population, config)
-        if WORKERS not in tree and checkpoint_path(ckpt_dir, learner.version).exists():
-            # Interrupted half-way through a round: this step's checkpoint,
-            # written at its boundary with the worker states, stays.
-            return
-        try:
-            save_checkpoint(
-                ckpt_dir,
-                learner.version,
-                tree,
-                keep=tcfg.keep_checkpoints,
-                metadata=metadata,
-                optional=(WORKERS,) if WORKERS in tree else (),
+    def train(
+        self, population_factory: PopulationFactory | None, worker_states: dict[int, Any]
+    ) -> RunResult:
+        """Trains to ``train.num_steps`` (or a stop), then evaluates unless interrupted."""
+        config, run, stream = self.config, self.run, self.stream
+        # Closed last-in first-out: the progress bar, the event files, then the
+        # population and its runtime. The final checkpoint comes before all of them.
+        with contextlib.ExitStack() as closing:
+            population = closing.enter_context(open_population(config, population_factory))
+            print(_placement(population.describe_actors()), file=stream)
+            if worker_states:
+                _load_worker_states(population, worker_states, stream)
+            try:
+                run.record_config()
+            except OSError as err:
+                raise run.write_failure(run.config_file, err, self.learner.version) from err
+            summaries = Summaries(run.path)
+            closing.callback(summaries.close)
+            evaluator = PeriodicEvaluator(config) if config.eval.every else None
+            if evaluator is not None:
+                closing.callback(evaluator.close, summaries)
+            progress = _Progress(
+                config.train.num_steps, self.learner.version, config.train.log_every
             )
-        except OSError as err:
-            path = checkpoint_path(ckpt_dir, learner.version)
-            raise RunWriteError(_write_failed(path, err, learner.version, run)) from err
-        saved_step = learner.version
-        run.sync()
+            closing.callback(progress.close)
+            interrupted = self._loop(population, summaries, evaluator, progress)
+        losses = self.meta_losses
+        window = max(1, len(losses) // 10)
+        start_loss = float(np.mean(losses[:window])) if losses else float("nan")
+        end_loss = float(np.mean(losses[-window:])) if losses else float("nan")
+        evaluation = []
+        if not interrupted and config.eval.after_training:
+            # Its progress goes where the training progress went (stderr), not into the results.
+            theta = self.learner.theta()
+            evaluation = evaluate(config, theta, settings_of(config)[:1], stream=sys.stderr)
+        return RunResult(
+            run.location, self.learner.version, start_loss, end_loss, evaluation, interrupted
+        )
 
-    # Closed last-in first-out: the progress bar, the event files, then the
-    # population and its runtime. The final checkpoint comes before all of them.
-    with contextlib.ExitStack() as closing:
-        population = closing.enter_context(open_population(config, population_factory))
-        print(_placement(population.describe_actors()), file=stream)
-        if worker_states:
-            _load_worker_states(population, worker_states, stream)
-        try:
-            run.record_config()
-        except OSError as err:
-            raise RunWriteError(_write_failed(run.config_file, err, learner.version, run)) from err
-        summaries = Summaries(run_dir)
-        closing.callback(summaries.close)
-        evaluator = PeriodicEvaluator(config) if config.eval.every else None
-        if evaluator is not None:
-            closing.callback(evaluator.close, summaries)
-        stats = RoundStats(population.steps_per_estimate, config.task.family)
-        progress = _Progress(tcfg.num_steps, learner.version, tcfg.log_every)
-        closing.callback(progress.close)
-        stop = closing.enter_context(_StopSignals())
+    def _loop(
+        self,
+        population: Population,
+        summaries: Summaries,
+        evaluator: PeriodicEvaluator | None,
+        progress: _Progress,
+    ) -> bool:
+        """The loop, and the checkpoint it ends with; returns whether a signal stopped it."""
+        learner, tcfg, stop = self.learner, self.config.train, self.stop
+        stats = RoundStats(population.steps_per_estimate, self.config.task.family)
+        interrupted = False
+        failure: BaseException | None = None
+        failures = 0
+        stop.phase, stop.trained = "training", True
         try:
             while learner.version < tcfg.num_steps and stop.received is None:
                 gathered = population.gather(learner.theta(), learner.version)
@@ -478,30 +451,12 @@ def _train(
                     )
                     if failures >= MAX_FAILED_ROUNDS:
                         stats.write(summaries, learner.version, population.num_live)
-                        raise DivergedError(_diverged(failures, learner.version, run))
+                        raise DivergedError(_diverged(failures, learner.version, self.run))
                     continue
                 failures = 0
                 stats.add_update(update_seconds, update.norms)
-                step = learner.version
-                meta_losses.append(agg.mean_loss)
-                if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
-                    stats.write(summaries, step, population.num_live)
-                    run.sync_if_due()
-                if step % tcfg.checkpoint_every == 0:
-                    checkpoint()
-                if evaluator is not None:
-                    evaluator.write_finished(summaries)
-                    if step % config.eval.every == 0:
-                        evaluator.submit(step, learner.theta())
-                progress.update(
-                    step,
-                    tcfg.num_steps,
-                    {
-                        "meta_loss": f"{agg.mean_loss:.4f}",
-                        "est/s": f"{stats.last_estimates_per_s:.1f}",
-                        "actors": str(population.num_live),
-                    },
-                )
+                self.meta_losses.append(agg.mean_loss)
+                self._after_step(population, summaries, evaluator, stats, progress, agg.mean_loss)
         except KeyboardInterrupt:
             interrupted = True
         except BaseException as err:
@@ -509,24 +464,61 @@ def _train(
             raise
         finally:
             interrupted = interrupted or stop.received is not None
+            stop.phase = "saving"
+            # A checkpoint that just failed would fail again, and a diverged
+            # run's state is not worth one: its newest checkpoint stays.
+            if not isinstance(failure, RunWriteError | DivergedError):
+                self._final_checkpoint(population, failure)
+            stop.phase = "closing"
             if interrupted:
                 progress.close()
-                print("\ninterrupted: saving a checkpoint and closing the run", file=stream)
-            # A checkpoint that just failed would fail again: one error, not two.
-            if not isinstance(failure, RunWriteError):
-                try:
-                    checkpoint()
-                except RunWriteError as err:
-                    if failure is None:
-                        raise
-                    # The run's own error propagates; this one is only reported.
-                    log.error("the final checkpoint was not written: %s", err)
+                saved = checkpoint_path(self.run.checkpoints, learner.version)
+                print(
+                    f"\ninterrupted ({stop.received or 'SIGINT'}) at step {learner.version}: "
+                    f"{self.run.location_of(saved)} is saved; closing the run",
+                    file=self.stream,
+                )
+        return interrupted
 
-    window = max(1, len(meta_losses) // 10)
-    start_loss = float(np.mean(meta_losses[:window])) if meta_losses else float("nan")
-    end_loss = float(np.mean(meta_losses[-window:])) if meta_losses else float("nan")
-    evaluation = []
-    if not interrupted and config.eval.after_training:
-        # Its progress goes where the training progress went (stderr), not into the results.
-        evaluation = evaluate(config, learner.theta(), settings_of(config)[:1], stream=sys.stderr)
-    return RunResult(run.location, learner.version, start_loss, end_loss, evaluation, interrupted)
+    def _after_step(
+        self,
+        population: Population,
+        summaries: Summaries,
+        evaluator: PeriodicEvaluator | None,
+        stats: RoundStats,
+        progress: _Progress,
+        meta_loss: float,
+    ) -> None:
+        step, tcfg = self.learner.version, self.config.train
+        if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
+            stats.write(summaries, step, population.num_live)
+            self.run.sync_if_due()
+        if step % tcfg.checkpoint_every == 0:
+            self._checkpoint(population)
+        if evaluator is not None:
+            evaluator.write_finished(summaries)
+            if step % self.config.eval.every == 0:
+                evaluator.submit(step, self.learner.theta())
+        fields = {
+            "meta_loss": f"{meta_loss:.4f}",
+            "est/s": f"{stats.last_estimates_per_s:.1f}",
+            "actors": str(population.num_live),
+        }
+        progress.update(step, tcfg.num_steps, fields)
+
+    def _checkpoint(self, population: Population) -> None:
+        """The checkpoint of this step (see :meth:`RunCheckpoints.save`); a failed write stops the run."""
+        try:
+            self.checkpoints.save(self.learner, population.export_worker_states)
+        except OSError as err:
+            path = checkpoint_path(self.run.checkpoints, self.learner.version)
+            raise self.run.write_failure(path, err, self.learner.version) from err
+
+    def _final_checkpoint(self, population: Population, failure: BaseException | None) -> None:
+        try:
+            self._checkpoint(population)
+        except RunWriteError as err:
+            if failure is None:
+                raise
+            # The run's own error propagates; this one is only reported.
+            log.error("the final checkpoint was not written: %s", err)

@@ -477,3 +477,43 @@ def test_a_lock_file_that_cannot_be_created_is_a_clear_refusal(tmp_path):
     with disk.installed(), pytest.raises(RunDirectoryError, match=r"cannot create the run's lock"):
         train(_config(tmp_path), stream=io.StringIO())
     assert not (tmp_path / "faulty").exists()  # a failed start leaves nothing
+
+
+def test_a_disk_full_before_the_start_stops_it_with_a_write_error_and_leaves_no_directory(
+    full_disk,
+):
+    full_disk.fill()
+    with pytest.raises(RunWriteError) as info:
+        train(_config(full_disk.root), stream=io.StringIO())
+    assert f"cannot write {full_disk.root / 'faulty' / 'config.yaml'}" in str(info.value)
+    assert "No space left on device" in str(info.value)
+    # The lock file's own failing flush neither hid that error nor kept the directory.
+    assert not (full_disk.root / "faulty").exists()
+
+
+START_DRIVER = """
+import errno, sys
+from tests.test_faults import FaultyDisk
+from popmeta.cli import main
+disk = FaultyDisk(sys.argv[1], errno.ENOSPC, healthy_files=0)
+with disk.installed():
+    sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_the_cli_exits_74_when_the_disk_is_full_before_the_start(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(config_to_yaml(_config(tmp_path / "runs")))
+    failed = subprocess.run(
+        [sys.executable, "-c", START_DRIVER, str(tmp_path / "runs"), "train", str(config_file)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert failed.returncode == EX_IOERR, failed.stderr
+    assert "Traceback" not in failed.stderr
+    (paragraph,) = [line for line in failed.stderr.splitlines() if line.startswith("popmeta:")]
+    assert "config.yaml: No space left on device" in paragraph
+    assert "no checkpoint was written yet" in paragraph
+    assert not (tmp_path / "runs" / "faulty").exists()

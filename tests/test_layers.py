@@ -24,10 +24,11 @@ LAYERS: list[list[str]] = [
     ["popmeta.registry"],  # the kinds a config may name, and their builders
     ["popmeta.config"],  # typed config schema, YAML, overrides, validation
     ["popmeta.experiment", "popmeta.estimate"],  # config -> core objects; the wire record
-    ["popmeta.learner", "popmeta.actors"],  # theta + outer step; the estimator workers
+    # theta + outer step; the estimator workers; their memory, checked up front
+    ["popmeta.learner", "popmeta.actors", "popmeta.footprint"],
     ["popmeta.population", "popmeta.storage"],  # placement, gather; local or remote files
     ["popmeta.summaries", "popmeta.run_dir"],  # TensorBoard; a run directory's identity
-    ["popmeta.evaluate"],  # meta-testing
+    ["popmeta.evaluate", "popmeta.run_checkpoints"],  # meta-testing; a run's checkpoints
     ["popmeta.train"],  # the run loop
     ["popmeta.cli", "popmeta.__main__"],  # the command line
     ["popmeta"],  # the public namespace re-exports everything

@@ -205,7 +205,7 @@ def test_local_run_stopped_at_a_non_multiple_step_resumes_bitwise(tmp_path, refe
     config = _config(tmp_path, "stopped")
     # SIGINT during the gather of version 2: the run stops after step 3.
     first = _train(config, _stopping(LocalPopulation, 2))
-    assert "interrupted: saving a checkpoint" in first
+    assert "interrupted (SIGINT) at step 3:" in first and "ckpt_00000003.npz is saved" in first
     stopped = _final(config)
     assert (stopped.step, stopped.metadata["worker_ranks"]) == (3, [0, 1])
 

@@ -42,7 +42,12 @@ import ray
 from popmeta.config import Config
 from popmeta.estimate import Estimate
 
-__all__ = ["EstimatorActor", "default_compilation_cache_dir", "pin_process_to_cores"]
+__all__ = [
+    "ActorBuildError",
+    "EstimatorActor",
+    "default_compilation_cache_dir",
+    "pin_process_to_cores",
+]
 
 #: JAX's monitoring events for persistent-cache hits and misses.
 _CACHE_EVENTS = {
@@ -173,6 +178,10 @@ def _to_host(tree: Any) -> Any:
     return jax.tree_util.tree_map(np.asarray, tree)
 
 
+class ActorBuildError(RuntimeError):
+    """The actor could not build its worker; raised by its ``info()``, naming where it ran."""
+
+
 @ray.remote
 class EstimatorActor:
     """One estimator worker in its own process.
@@ -187,7 +196,10 @@ class EstimatorActor:
 
     The constructor returns once the estimate is compiled (see the module's
     docstring), so ``info()``, queued right after it, answers when the actor is
-    ready to compute at full speed.
+    ready to compute at full speed. A constructor that fails keeps its error
+    for ``info()`` to raise as :class:`ActorBuildError` with the actor's node
+    and host in it, which the supervisor reports (a constructor exception
+    reaches Ray's caller only as a traceback in text).
     """
 
     def __init__(
@@ -197,6 +209,15 @@ class EstimatorActor:
         restart: int = 0,
         pin_cpus: Sequence[int] | None = None,
     ):
+        self.rank = rank
+        self.restart = restart
+        self._build_error: BaseException | None = None
+        try:
+            self._build(config, pin_cpus)
+        except Exception as err:
+            self._build_error = err
+
+    def _build(self, config: Config, pin_cpus: Sequence[int] | None) -> None:
         start = time.perf_counter()
         # Before anything compiles: JAX decides once per process whether to use the cache.
         cache_counts = use_compilation_cache()
@@ -205,9 +226,7 @@ class EstimatorActor:
         # creates XLA's CPU thread pool, which must inherit the affinity.
         from popmeta.actors.worker import EstimatorWorker
 
-        self.rank = rank
-        self.restart = restart
-        self._worker = EstimatorWorker(config, rank, restart)
+        self._worker = EstimatorWorker(config, self.rank, self.restart)
         built = time.perf_counter()
         _warm_up(self._worker, config)
         done = time.perf_counter()
@@ -271,7 +290,16 @@ class EstimatorActor:
           unless ``JAX_ENABLE_COMPILATION_CACHE=false`` turns it off) and
           ``compilation_cache_hits`` / ``compilation_cache_misses``
           (persistent-cache lookups during the constructor).
+
+        Raises:
+          ActorBuildError: the constructor failed; its exception is the cause.
         """
+        if self._build_error is not None:
+            err = self._build_error
+            node = ray.get_runtime_context().get_node_id()
+            raise ActorBuildError(
+                f"{type(err).__name__}: {err} (on host {socket.gethostname()}, node {node})"
+            ) from err
         import jax
 
         allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None

@@ -54,6 +54,9 @@ TruncationScheduleName = Literal[TRUNCATION_SCHEDULES.names]
 EstimatorName = Literal[ESTIMATORS.names]
 OuterOptimizerName = Literal[OUTER_OPTIMIZERS.names]
 
+#: The longest file name most file systems take (NAME_MAX): a run's directory name.
+MAX_NAME_BYTES = 255
+
 # A problem found by a range check: (dotted field name relative to the section, message).
 _Problem = tuple[str, str]
 
@@ -284,8 +287,17 @@ class PopulationConfig:
       env: environment variables for the actors (e.g. ``XLA_FLAGS``).
       shard_tasks: an actor that sees several local devices shards its tasks over
         them (``estimator.num_tasks`` must then be a multiple of their number).
-      call_timeout_s: longest wait for one estimate before the actor is declared lost.
-      max_actor_restarts: dead actors replaced over the run before it gives up.
+      call_timeout_s: longest wait for an actor to start (build its worker and
+        compile), and for one call before the population's calls are timed.
+      call_timeout_factor: a busy actor silent for this many times the slowest
+        of the population's recent calls (before its first calls, of its
+        actors' starts) is lost and replaced (a warning comes at half that
+        time); the wait is at least ``min_call_timeout_s`` and at most
+        ``call_timeout_s``.
+      min_call_timeout_s: the shortest wait before a silent actor is lost.
+      max_actor_restarts: times one rank may be replaced in a row, without a
+        reply in between, before the run gives up (a crash loop); losses of
+        actors that delivered in between never add up.
       compiled_graph: sync rounds reach each actor through a Ray compiled graph
         (shared-memory channels) instead of an actor call: 0.7-1.0 ms less per
         round on 2 CPU cores, but the driver busy-waits on a core while the
@@ -307,11 +319,21 @@ class PopulationConfig:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     shard_tasks: bool = True
     call_timeout_s: float = 600.0
+    call_timeout_factor: float = 10.0
+    min_call_timeout_s: float = 10.0
     max_actor_restarts: int = 10
     compiled_graph: bool = False
 
     def _problems(self) -> Iterator[_Problem]:
-        yield from _positive(self, "num_actors", "batch_size", "calls_in_flight", "call_timeout_s")
+        yield from _positive(
+            self,
+            "num_actors",
+            "batch_size",
+            "calls_in_flight",
+            "call_timeout_s",
+            "call_timeout_factor",
+            "min_call_timeout_s",
+        )
         if self.compiled_graph and self.mode != "sync":
             yield "compiled_graph", "works in mode: sync only (async calls queue up on the actors)"
         yield from _non_negative(
@@ -449,6 +471,14 @@ class Config:
                 "name",
                 f"must be a non-empty directory name without separators, got {self.name!r}",
             )
+        elif not self.name.isprintable():
+            yield "name", f"must not hold control characters (a NUL, a newline), got {self.name!r}"
+        elif len(self.name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+            yield (
+                "name",
+                f"is a directory name, at most {MAX_NAME_BYTES} bytes; got "
+                f"{len(self.name.encode('utf-8', 'surrogateescape'))}",
+            )
         if not self.run_dir:
             yield "run_dir", "must be non-empty"
         yield from _non_negative(self, "seed")
@@ -527,6 +557,8 @@ _RAY_ENGINE_FIELDS = (
     "one_actor_per_node_with",
     "env",
     "call_timeout_s",
+    "call_timeout_factor",
+    "min_call_timeout_s",
     "max_actor_restarts",
     "compiled_graph",
 )

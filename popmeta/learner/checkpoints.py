@@ -260,6 +260,19 @@ def _corrupted(path: Path, e: BaseException) -> CheckpointCorruptedError:
     )
 
 
+def _open_archive(path: Path) -> Any:
+    """``np.load`` of a checkpoint; a file that is not a whole zip archive is named as such.
+
+    (numpy would read any other file as a pickle, and advise ``allow_pickle``.)
+    """
+    if path.exists() and not zipfile.is_zipfile(path):
+        raise CheckpointCorruptedError(
+            f"{path} is not a popmeta checkpoint, or a damaged one: it is not a complete "
+            ".npz (zip) archive"
+        )
+    return np.load(path, allow_pickle=False)
+
+
 def _skipped_prefixes(header: dict[str, Any], target: Any) -> tuple[str, ...]:
     """Key prefixes of the optional sections ``target`` leaves out (all kept if None)."""
     if target is None:
@@ -278,7 +291,7 @@ def _read_archive(path: Path, target: Any = None) -> tuple[dict[str, Any], dict[
     (None: every entry is).
     """
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        with _open_archive(path) as npz:
             header = _header(npz)
             skipped = _skipped_prefixes(header, target)
             # Reading every member forces zipfile's CRC check, so a damaged
@@ -288,7 +301,7 @@ def _read_archive(path: Path, target: Any = None) -> tuple[dict[str, Any], dict[
                 for name in npz.files
                 if name != _METADATA_KEY and not name.startswith(skipped)
             }
-    except FileNotFoundError:
+    except (FileNotFoundError, CheckpointCorruptedError):
         raise
     except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as e:
         raise _corrupted(path, e) from e
@@ -308,9 +321,9 @@ def read_checkpoint_metadata(path: PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        with _open_archive(path) as npz:
             header = _header(npz)
-    except FileNotFoundError:
+    except (FileNotFoundError, CheckpointCorruptedError):
         raise
     except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as e:
         raise _corrupted(path, e) from e

@@ -58,12 +58,14 @@ shrink exactly the share the guard restores; the price is that a slow actor's
 estimates are as old as it is slow, and that ``max_staleness`` bounds every
 estimate except those counted in ``accepted_late``.
 
-A lost actor (dead, or no estimate within ``call_timeout_s``) is replaced by a
-fresh one of the same rank and the next ``restart`` number: the actor derives
-new keys from it, so its inner problems restart at new random offsets. Its
-calls in flight are lost (``Gathered.lost_in_flight``) and the run goes on;
-the replacements of each gather are reported in ``Gathered.restarted``. After
-``max_actor_restarts`` replacements ``gather`` raises ``RuntimeError``.
+A lost actor (dead, while starting or at work, or silent past its deadline)
+is replaced by a fresh one of the same rank and the next ``restart`` number:
+the actor derives new keys from it, so its inner problems restart at new
+random offsets. Its calls in flight are lost (``Gathered.lost_in_flight``) and
+the run goes on; the replacements of each gather (the first gather also
+reports those of the population's start) are in ``Gathered.restarted``. A
+rank replaced ``max_actor_restarts`` times in a row without delivering makes
+``gather`` raise :class:`~popmeta.population.supervisor.PopulationLostError`.
 
 Worker states (exact resume). :meth:`RayPopulation.export_worker_states`
 asks every ready actor for its worker's exported state, and
@@ -291,8 +293,9 @@ class RayPopulation:
         where, and in which mode.
 
     Raises:
-      RuntimeError: Ray is not initialised in this process, or the actors
-        cannot be placed or started (see
+      RuntimeError: Ray is not initialised in this process.
+      ActorStartError, PopulationLostError, PlacementError: the actors
+        cannot be built, placed or started (see
         :class:`~popmeta.population.supervisor.ActorSupervisor`).
     """
 
@@ -309,6 +312,9 @@ class RayPopulation:
         self._closed = False
         # True while a gather runs: an exception out of it leaves a sync round half done.
         self._mid_gather = False
+        # Replacements and lost calls already reported by a gather; those of
+        # the population's start go to the first one.
+        self._reported_restarts = self._reported_lost = 0
 
         def actor_args(rank: int, restart: int, pin: tuple[int, ...] | None) -> tuple[Any, ...]:
             return config, rank, restart, pin
@@ -359,7 +365,6 @@ class RayPopulation:
         if self._closed:
             raise RuntimeError("gather() on a closed RayPopulation")
         supervisor = self._supervisor
-        restarts, lost = supervisor.num_restarts, supervisor.num_lost_calls
         # At most one put per version: repeated gathers of one version (a round
         # whose estimates were all unusable) reuse the ref. Compiled graphs take
         # theta by value; their rank's rare ordinary call then passes it as Ray does.
@@ -369,10 +374,13 @@ class RayPopulation:
         self._mid_gather = True
         gathered = self._policy.gather(self._theta_arg, version)
         self._mid_gather = False
-        return gathered._replace(
-            restarted=supervisor.num_restarts - restarts,
-            lost_in_flight=supervisor.num_lost_calls - lost,
+        restarts, lost = supervisor.num_restarts, supervisor.num_lost_calls
+        gathered = gathered._replace(
+            restarted=restarts - self._reported_restarts,
+            lost_in_flight=lost - self._reported_lost,
         )
+        self._reported_restarts, self._reported_lost = restarts, lost
+        return gathered
 
     def export_worker_states(self) -> dict[int, Any]:
         """Each ready actor's exported worker state, by rank (see the module's docstring).

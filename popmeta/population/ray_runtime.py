@@ -27,7 +27,9 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from types import TracebackType
@@ -161,7 +163,7 @@ def start_ray(
         # address="local" (never a bare ray.init()): a bare init also reads
         # RAY_ADDRESS and a leftover current-cluster file of a crashed run,
         # and would then hang trying to reach a dead cluster.
-        with quiet_fork():
+        with quiet_fork(), _keeping_sigterm():
             ray.init(
                 address="local",
                 num_cpus=num_cpus,
@@ -171,8 +173,27 @@ def start_ray(
                 **common,
             )
         return RayHandle(_gcs_address(), started=True, joined=False)
-    ray.init(address=address, **common)
+    with _keeping_sigterm():
+        ray.init(address=address, **common)
     return RayHandle(_gcs_address(), started=False, joined=True)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm() -> Iterator[None]:
+    """Keeps the process's SIGTERM handler across ``ray.init``.
+
+    ``ray.init`` replaces it with one that exits at once (``sys.exit(15)``),
+    which would take a run's SIGTERM (a scheduler's preemption notice) away
+    from the run loop that saves a checkpoint on it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def start_ray_for(population: PopulationConfig) -> RayHandle:

@@ -2,49 +2,25 @@
 
 :class:`ActorSupervisor` owns one actor per rank and knows nothing about what
 the actors compute: callers submit calls with a tag of their choosing and get
-:class:`Reply` records (rank, tag, value) back in completion order.
-
-* Spawning follows a :class:`~popmeta.population.placement.PlacementPlan`, with
-  ``max_restarts=0`` and ``max_task_retries=0``: Ray never restarts an actor or
-  re-runs a call behind the supervisor's back.
-* Each actor has an ``info() -> dict`` method, queued right after its
-  constructor. An actor is *ready* once ``info()`` has answered; callers give
-  work to ready actors only, so a replacement that is still starting holds
-  nobody up.
-* An actor is lost when it dies (``RayActorError`` other than
-  ``ActorUnavailableError``, which is transient: that call is lost, the actor
-  kept), or when for ``call_timeout_s`` it has not started, or has had calls in
-  flight and delivered nothing (counted from its spawn, its last reply, when it
-  got work while idle, or its first ``ActorUnavailableError``).
-* A lost actor is killed and a new one takes its rank with ``restart + 1``;
-  its calls in flight are lost (counted) and late replies of the old actor
-  are never returned. The loss after ``max_actor_restarts`` replacements raises
-  ``RuntimeError``. With one actor per node the replacement stays on its node
-  if that is alive, else goes to an alive carrier node without an actor; if
-  there is none the rank is retired and the others go on.
-* :meth:`ActorSupervisor.call_each` calls one method on several ready actors
-  and waits for them, outside the tagged calls (e.g. to save or load the
-  workers' states between gathers).
-* :meth:`ActorSupervisor.call_compiled` calls the supervisor's
-  ``compiled_method`` on several ready actors through one Ray compiled graph
-  over them, built anew whenever its members change (a replacement joins, an
-  actor is lost) and after any failure, which leaves the members without a
-  reply to tagged calls (they find and replace a lost actor). One graph for
-  all, rather than one per actor: on Ray 2.60, compiling a graph for a
-  replacement while another actor's graph lived left that actor's next reply
-  blocked in its output channel. The graph runs on a thread of its own in
-  each actor, so the actors still answer ordinary calls (``call_each``)
-  between executions.
-* :meth:`ActorSupervisor.close` kills every actor and removes the placement
-  group; it never stops Ray.
+:class:`Reply` records (rank, tag, value) back in completion order. An actor
+is *ready* once its ``info()``, queued right after its constructor, has
+answered. An actor that dies (killed, its node lost), while starting or at
+work, or that stays silent past its deadline, is replaced; a constructor that
+raises stops everything (:class:`ActorStartError`), since a new actor would
+raise again; a rank replaced ``max_actor_restarts`` times in a row without a
+reply (a crash loop) stops everything too (:class:`PopulationLostError`).
+Deadlines follow the measured call times (:meth:`ActorSupervisor.timeout_for`);
+the rules, and what Ray does on failures, are in ``docs/ray.md``.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -68,12 +44,58 @@ from popmeta.config import PopulationConfig
 from popmeta.population import placement as plans
 from popmeta.population.placement import ActorPlacement, NodeSnapshot
 
-__all__ = ["ActorArgs", "ActorSupervisor", "Reply"]
+__all__ = ["ActorArgs", "ActorStartError", "ActorSupervisor", "PopulationLostError", "Reply"]
 
 log = logging.getLogger("popmeta")
 
 #: Pause after an ActorUnavailableError, so that the caller's retry does not hammer a blip.
 UNAVAILABLE_BACKOFF_S = 0.05
+
+#: Reply intervals the call deadlines are sized from: the population's last ones.
+TIMED_CALLS = 64
+#: Timed replies before deadlines follow them; until then they follow the actors' starts.
+MIN_TIMED_CALLS = 8
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class ActorStartError(RuntimeError):
+    """An actor's constructor (or its ``info()``) raised: another actor would raise again.
+
+    Attributes:
+      rank: the actor's rank.
+      restart: its restart number.
+      cause: the exception's last line, e.g. ``ModuleNotFoundError: No module named 'x'``.
+      details: the actor's whole traceback, as Ray reported it.
+    """
+
+    def __init__(self, rank: int, restart: int, cause: str, details: str):
+        self.rank, self.restart, self.cause, self.details = rank, restart, cause, details
+        super().__init__(f"actor {rank} (restart {restart}) could not start: {cause}")
+
+
+class PopulationLostError(RuntimeError):
+    """The actors cannot be kept up: not placed in time, a crash loop, or no node left."""
+
+
+def _start_failure(actor_rank: int, restart: int, err: BaseException) -> ActorStartError | None:
+    """The :class:`ActorStartError` behind ``err`` from an actor's ``info()``, or None (a death).
+
+    An actor whose build failed may say so from ``info()``: Ray raises a
+    :class:`RayTaskError` whose cause's message is taken as the whole cause.
+    A constructor that raised makes Ray report the actor dead with
+    ``actor_init_failed`` and the traceback as text, whose last line names it.
+    """
+    if isinstance(err, RayTaskError):
+        details = _ANSI_ESCAPE.sub("", str(err))
+        cause = err.cause if isinstance(err.cause, BaseException) else err
+        return ActorStartError(actor_rank, restart, str(cause) or type(cause).__name__, details)
+    if isinstance(err, RayActorError) and err.actor_init_failed:
+        details = _ANSI_ESCAPE.sub("", str(err))
+        lines = [line.strip() for line in details.splitlines() if line.strip()]
+        return ActorStartError(actor_rank, restart, lines[-1] if lines else details, details)
+    return None
+
 
 #: Builds an actor's constructor arguments from its rank, restart number and
 #: core slots (None: unpinned).
@@ -107,6 +129,10 @@ class _Actor:
     last_progress: float = 0.0
     unavailable_since: float | None = None
     spawned_at: float = 0.0
+    # Replacements of this rank since its last reply: a crash loop once it
+    # reaches max_actor_restarts.
+    losses_in_a_row: int = 0
+    warned: bool = False
 
     @property
     def rank(self) -> int:
@@ -116,9 +142,9 @@ class _Actor:
     def ready(self) -> bool:
         return self.info is not None
 
-    def deadline(self, timeout_s: float) -> float:
-        start = self.last_progress if self.unavailable_since is None else self.unavailable_since
-        return start + timeout_s
+    @property
+    def silent_since(self) -> float:
+        return self.last_progress if self.unavailable_since is None else self.unavailable_since
 
 
 def _nodes() -> list[NodeSnapshot]:
@@ -128,18 +154,22 @@ def _nodes() -> list[NodeSnapshot]:
 class ActorSupervisor:
     """Starts one actor per planned rank and supervises its calls.
 
-    The constructor returns once every actor has answered ``info()``.
+    The constructor returns once every rank's actor has answered ``info()``;
+    an actor that dies while starting is replaced meanwhile.
 
     Args:
       actor_class: a ``@ray.remote`` class with an ``info() -> dict`` method.
       actor_args: constructor arguments for (rank, restart, core slots).
-      population: resources, placement, ``call_timeout_s`` and
-        ``max_actor_restarts`` of the actors.
+      population: resources, placement, timeouts and ``max_actor_restarts``
+        of the actors.
       compiled_method: the method :meth:`call_compiled` calls, if any.
 
     Raises:
-      RuntimeError: an actor failed to start, or could not be scheduled within
-        ``call_timeout_s``; the actors already started are killed.
+      ActorStartError: an actor's constructor raised.
+      PopulationLostError: the actors could not be placed or started within
+        ``call_timeout_s``, or a rank kept dying while it started.
+      PlacementError: the cluster cannot host the population as configured.
+    The actors already started are killed.
     """
 
     def __init__(
@@ -161,6 +191,8 @@ class ActorSupervisor:
         self._strategy = "default"
         self._num_restarts = 0
         self._num_lost_calls = 0
+        self._call_seconds: collections.deque[float] = collections.deque(maxlen=TIMED_CALLS)
+        self._slowest_start: float | None = None  # spawn to ready, seconds
         self._closed = False
         try:
             self._start()
@@ -195,6 +227,28 @@ class ActorSupervisor:
         """Calls lost so far because their actor was lost with them in flight."""
         return self._num_lost_calls
 
+    def timeout_for(self, actor_is_ready: bool = True) -> float:
+        """How long a busy actor may stay silent before it is lost.
+
+        ``call_timeout_factor`` times the slowest of the population's last
+        :data:`TIMED_CALLS` reply intervals (the time from a call's start, or
+        the actor's previous reply, to its reply), at least
+        ``min_call_timeout_s`` and at most ``call_timeout_s``. Before
+        :data:`MIN_TIMED_CALLS` replies the slowest actor start (spawn to
+        ready, which ran one estimate and compiled it) stands in for the
+        calls. For an actor that is still starting, ``call_timeout_s``.
+        """
+        pc = self._pc
+        if len(self._call_seconds) >= MIN_TIMED_CALLS:
+            slowest = max(self._call_seconds)
+        elif self._slowest_start is not None:
+            slowest = self._slowest_start
+        else:
+            return pc.call_timeout_s
+        if not actor_is_ready:
+            return pc.call_timeout_s
+        return min(pc.call_timeout_s, max(pc.min_call_timeout_s, pc.call_timeout_factor * slowest))
+
     def in_flight(self, rank: int) -> int:
         """Calls submitted to ``rank``'s current actor and not yet returned."""
         return self._actors[rank].in_flight
@@ -210,6 +264,7 @@ class ActorSupervisor:
         if actor.ready and actor.in_flight == 0 and actor.unavailable_since is None:
             # An idle actor's deadline starts when it gets work.
             actor.last_progress = time.monotonic()
+            actor.warned = False
         actor.in_flight += 1
         self._calls[ref] = _Call(rank, actor.restart, tag)
 
@@ -236,22 +291,31 @@ class ActorSupervisor:
           caller then gives work to whichever ready ranks need it.
 
         Raises:
-          RuntimeError: an actor was lost beyond ``max_actor_restarts``, or
-            the last rank of a one-per-node population was retired.
+          ActorStartError: a replacement's constructor raised.
+          PopulationLostError: a rank was replaced ``max_actor_restarts``
+            times in a row without a reply, or the last rank of a one-per-node
+            population was retired.
         """
-        starting = {a.info_ref: a for a in self._actors.values() if not a.ready}
-        if not self._calls and not starting:
-            return None
-        timeout_s = self._pc.call_timeout_s
-        watched = [a for a in self._actors.values() if a.in_flight > 0 or not a.ready]
-        now = time.monotonic()
-        until = min((a.deadline(timeout_s) for a in watched), default=now + timeout_s)
-        refs = [*self._calls, *starting]
-        ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, until - now))
-        if not ready:
+        while True:
+            starting = {a.info_ref: a for a in self._actors.values() if not a.ready}
+            if not self._calls and not starting:
+                return None
+            watched = [a for a in self._actors.values() if a.in_flight > 0 or not a.ready]
+            now = time.monotonic()
+            # Wake for the first deadline, or for the first warning due before it.
+            alarms = [self._deadline(a) for a in watched]
+            alarms += [self._warn_at(a) for a in watched if a.ready and not a.warned]
+            until = min(alarms, default=now + self._pc.call_timeout_s)
+            refs = [*self._calls, *starting]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, until - now))
+            if ready:
+                break
+            serving = [(a.rank, a.restart) for a in watched]
             for actor in watched:
+                self._warn_if_silent(actor)
                 self._replace_if_overdue(actor)
-            return None
+            if serving != [(a.rank, a.restart) for a in watched if a.rank in self._actors]:
+                return None  # an actor was replaced (or its rank retired)
         ref = ready[0]
         if ref in starting:
             self._info(starting[ref], wait=False)
@@ -262,7 +326,7 @@ class ActorSupervisor:
             return None  # a late reply of a replaced actor: its rank has moved on
         actor.in_flight -= 1
         try:
-            value = ray.get(ref, timeout=timeout_s)
+            value = ray.get(ref, timeout=self._pc.call_timeout_s)
         except ActorUnavailableError as err:  # a RayActorError too: caught first
             self._num_lost_calls += 1
             if actor.unavailable_since is None:
@@ -274,8 +338,7 @@ class ActorSupervisor:
             self._num_lost_calls += 1
             self._replace(actor, repr(err))
             return None
-        actor.last_progress = time.monotonic()
-        actor.unavailable_since = None
+        self._progressed(actor, timed=True)
         return Reply(call.rank, call.tag, value)
 
     def call_each(
@@ -324,6 +387,9 @@ class ActorSupervisor:
                 failed[rank] = f"{type(err.cause).__name__}: {err.cause}"
             except RayError as err:
                 failed[rank] = f"{type(err).__name__}: {err}"
+            else:
+                # It answered: its silence, and its next reply interval, count from now.
+                self._progressed(self._actors[rank], timed=False)
         return values, failed
 
     def call_compiled(self, ranks: Sequence[int], *args: Any) -> dict[int, Any]:
@@ -357,7 +423,7 @@ class ActorSupervisor:
         if not actors:
             return {}
         members = tuple((actor.rank, actor.restart) for actor in actors)
-        timeout_s = self._pc.call_timeout_s
+        timeout_s = self.timeout_for()
         deadline = time.monotonic() + timeout_s
         values: dict[int, Any] = {}
         try:
@@ -365,6 +431,9 @@ class ActorSupervisor:
                 self._teardown_graph()
                 self._graph = self._compile([actor.handle for actor in actors], len(args))
                 self._graph_members = members
+            started = time.monotonic()
+            for actor in actors:
+                actor.last_progress, actor.warned = started, False
             refs = self._graph.execute(*args)
             for actor, ref in zip(actors, refs, strict=True):
                 value = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
@@ -375,7 +444,7 @@ class ActorSupervisor:
                 # crashed the driver (SIGSEGV in PlasmaObjectHeader). A copy
                 # owns its memory.
                 values[actor.rank] = copy.deepcopy(value)
-                actor.last_progress = time.monotonic()
+                self._progressed(actor, timed=True)
         except (RayActorError, RayChannelError) as err:
             # RayTaskError (the method raised) is neither, and propagates.
             if not isinstance(err, RayChannelTimeoutError):
@@ -390,8 +459,8 @@ class ActorSupervisor:
             for actor in silent:
                 self._replace(
                     actor,
-                    f"no reply through the compiled graph within population.call_timeout_s="
-                    f"{timeout_s}s (the graph does not say which member hung: each is replaced)",
+                    f"no reply through the compiled graph within {timeout_s:.3g}s "
+                    "(the graph does not say which member hung: each is replaced)",
                 )
         return values
 
@@ -440,7 +509,7 @@ class ActorSupervisor:
             try:
                 ray.get(self._pg.ready(), timeout=pc.call_timeout_s)
             except GetTimeoutError:
-                raise RuntimeError(
+                raise PopulationLostError(
                     f"cannot place {len(placements)} actors of {dict(plan.request)} within "
                     f"population.call_timeout_s={pc.call_timeout_s}s; cluster resources: "
                     f"{ray.cluster_resources()}"
@@ -453,8 +522,11 @@ class ActorSupervisor:
         # They start side by side, within one call_timeout_s for all of them.
         refs = [actor.info_ref for actor in self._actors.values()]
         ray.wait(refs, num_returns=len(refs), timeout=pc.call_timeout_s)
-        for actor in self._actors.values():
+        for actor in list(self._actors.values()):
             self._info(actor, wait=False, first=True)
+        # Replacements of actors that died while starting (a lost node, a kill).
+        while len(self.ready_ranks) < len(self._actors):
+            self.next_reply()
 
     def _with_bundle_nodes(self, placements: list[ActorPlacement]) -> list[ActorPlacement]:
         assert self._pg is not None
@@ -491,15 +563,16 @@ class ActorSupervisor:
     def _info(self, actor: _Actor, wait: bool, first: bool = False) -> dict[str, Any] | None:
         """The actor's ``info()``, which makes it ready; None if it has not answered.
 
-        An actor whose ``info()`` fails (it died while starting, or its
-        constructor raised) is replaced; at the population's start (``first``)
-        that, and not answering within ``call_timeout_s``, raise ``RuntimeError``.
+        An actor that died while starting is replaced; one whose constructor
+        or ``info()`` raised raises :class:`ActorStartError`. At the
+        population's start (``first``) not answering within ``call_timeout_s``
+        raises :class:`PopulationLostError`: the cluster lacks what it needs.
         """
         if actor.info is None:
             timeout_s = self._pc.call_timeout_s
             ready, _ = ray.wait([actor.info_ref], timeout=timeout_s if wait else 0)
             if not ready and first:
-                raise RuntimeError(
+                raise PopulationLostError(
                     f"actor {actor.rank} did not start within population.call_timeout_s="
                     f"{timeout_s}s; each actor needs {plans.actor_request(self._pc)}, the "
                     f"cluster has {ray.cluster_resources()} in all"
@@ -508,15 +581,17 @@ class ActorSupervisor:
                 return None
             try:
                 info = ray.get(actor.info_ref, timeout=timeout_s)
-            except RayActorError as err:
-                if first:
-                    raise RuntimeError(f"actor {actor.rank} failed to start: {err}") from err
+            except (RayActorError, RayTaskError) as err:
+                failure = _start_failure(actor.rank, actor.restart, err)
+                if failure is not None:
+                    raise failure from None
                 self._replace(actor, f"lost while starting: {err!r}")
                 return None
             actor.info = info
             actor.last_progress = time.monotonic()
+            took = actor.last_progress - actor.spawned_at
+            self._slowest_start = max(took, self._slowest_start or 0.0)
             if actor.restart:  # a replacement: how long its rank had no actor at work
-                took = actor.last_progress - actor.spawned_at
                 log.info("actor %d (restart %d) ready in %.1fs", actor.rank, actor.restart, took)
         return actor.info
 
@@ -536,12 +611,50 @@ class ActorSupervisor:
             with contextlib.suppress(Exception):
                 graph.teardown()
 
+    def _progressed(self, actor: _Actor, timed: bool) -> None:
+        """``actor`` answered now; ``timed``: the interval since its last progress was one call."""
+        now = time.monotonic()
+        if timed:
+            self._call_seconds.append(now - actor.last_progress)
+        actor.last_progress, actor.unavailable_since = now, None
+        actor.losses_in_a_row, actor.warned = 0, False
+
+    def _deadline(self, actor: _Actor) -> float:
+        return actor.silent_since + self.timeout_for(actor.ready)
+
+    def _warn_at(self, actor: _Actor) -> float:
+        return actor.silent_since + self.timeout_for(actor.ready) / 2
+
+    def _warn_if_silent(self, actor: _Actor) -> None:
+        """Logs once that a busy actor is halfway to its deadline."""
+        now = time.monotonic()
+        if actor.ready and not actor.warned and actor.in_flight and now >= self._warn_at(actor):
+            actor.warned = True
+            log.warning(
+                "actor %d (restart %d, pid %s) has not replied for %.1fs; the population's "
+                "calls took at most %.3gs lately; it is replaced at %.1fs unless it answers",
+                actor.rank,
+                actor.restart,
+                (actor.info or {}).get("pid", "?"),
+                now - actor.silent_since,
+                max(self._call_seconds, default=0.0),
+                self.timeout_for(),
+            )
+
     def _replace_if_overdue(self, actor: _Actor) -> None:
         """Replaces ``actor`` if it still serves its rank and is past its deadline."""
-        timeout_s = self._pc.call_timeout_s
-        if self._actors.get(actor.rank) is actor and time.monotonic() >= actor.deadline(timeout_s):
-            what = "reply" if actor.ready else "start"
-            self._replace(actor, f"no {what} within population.call_timeout_s={timeout_s}s")
+        if self._actors.get(actor.rank) is actor and time.monotonic() >= self._deadline(actor):
+            timeout_s = self.timeout_for(actor.ready)
+            if actor.ready:
+                self._replace(
+                    actor,
+                    f"no reply within {timeout_s:.3g}s (population.call_timeout_factor="
+                    f"{self._pc.call_timeout_factor:g} times the slowest recent call, at least "
+                    f"min_call_timeout_s={self._pc.min_call_timeout_s:g}s, at most "
+                    f"call_timeout_s={self._pc.call_timeout_s:g}s)",
+                )
+            else:
+                self._replace(actor, f"no start within population.call_timeout_s={timeout_s:g}s")
 
     def _kill(self, actor: _Actor) -> None:
         # Failing means the actor is already gone: nothing left to release.
@@ -570,12 +683,16 @@ class ActorSupervisor:
                 self._retire(actor, reason)
                 return
             actor.placement = dataclasses.replace(actor.placement, node_id=node)
-        if self._num_restarts >= pc.max_actor_restarts:
-            raise RuntimeError(
-                f"actor {actor.rank} (restart {actor.restart}) was lost ({reason}) after "
-                f"{self._num_restarts} actor replacement(s) in this run; "
-                f"population.max_actor_restarts={pc.max_actor_restarts}: giving up"
+        if actor.losses_in_a_row >= pc.max_actor_restarts:
+            raise PopulationLostError(
+                f"actor {actor.rank} (restart {actor.restart}) was lost ({reason}); its rank "
+                f"was replaced {actor.losses_in_a_row} time(s) in a row without a reply, and "
+                f"population.max_actor_restarts={pc.max_actor_restarts}: giving up. A rank "
+                "that keeps dying points at its node (memory, a crashing library) or at "
+                "the config; see the actors' logs in Ray's session directory "
+                "(/tmp/ray/session_latest/logs on each node)"
             )
+        actor.losses_in_a_row += 1
         if actor.placement.bundle is not None:
             # The bundle may have moved with a lost node: recompute node and cores.
             live = list(self._actors.values())
@@ -588,12 +705,14 @@ class ActorSupervisor:
         actor.restart = old_restart + 1
         self._spawn(actor)
         log.warning(
-            "actor %d (restart %d) was lost: %s; replaced it with restart %d (%d/%d replacements)",
+            "actor %d (restart %d) was lost: %s; replaced it with restart %d (%d in this run, "
+            "%d/%d in a row for this rank)",
             actor.rank,
             old_restart,
             reason,
             actor.restart,
             self._num_restarts,
+            actor.losses_in_a_row,
             pc.max_actor_restarts,
         )
 
@@ -609,6 +728,6 @@ class ActorSupervisor:
             len(self._actors),
         )
         if not self._actors:
-            raise RuntimeError(
+            raise PopulationLostError(
                 f"every node carrying {self._pc.one_actor_per_node_with!r} is gone: no actor left"
             )

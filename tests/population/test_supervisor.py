@@ -1,8 +1,9 @@
 """The actor supervisor with a trivial actor (no JAX): tags, readiness, deadlines, replacement,
-close."""
+start failures, crash loops, close."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -12,7 +13,13 @@ import pytest
 import ray
 
 from popmeta.config import PopulationConfig
-from popmeta.population.supervisor import ActorSupervisor, Reply
+from popmeta.population.supervisor import (
+    MIN_TIMED_CALLS,
+    ActorStartError,
+    ActorSupervisor,
+    PopulationLostError,
+    Reply,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,12 +29,15 @@ TIMEOUT_S = 8.0
 
 @ray.remote
 class Sleeper:
-    """Answers after sleeping; reports who it is. Its start takes ``start_s``, or fails."""
+    """Answers after sleeping; reports who it is. Its start takes ``start_s``, then
+    ``outcome`` happens: ``"fail"`` raises, ``"die"`` kills the process (SIGKILL)."""
 
-    def __init__(self, rank: int, restart: int, start_s: float = 0.0, fail: bool = False):
+    def __init__(self, rank: int, restart: int, start_s: float = 0.0, outcome: str = "start"):
         time.sleep(start_s)
-        if fail:
+        if outcome == "fail":
             raise ValueError(f"actor {rank} restart {restart} cannot start")
+        if outcome == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
         self.rank = rank
         self.restart = restart
 
@@ -40,11 +50,13 @@ class Sleeper:
 
 
 def supervisor(
-    starts: dict[int, tuple[float, bool]] | None = None,
+    starts: dict[int, tuple[float, str]] | None = None,
     compiled_method: str | None = None,
+    ranks: set[int] | None = None,
     **fields: Any,
 ) -> ActorSupervisor:
-    """Sleepers; ``starts`` maps a restart number to (start seconds, fails) for its actors."""
+    """Sleepers; ``starts`` maps a restart number to (start seconds, outcome) for the
+    actors of ``ranks`` (default: every rank)."""
     population = PopulationConfig(
         **{"num_actors": 2, "num_cpus": 0.5, "pin_cpus": False, "call_timeout_s": TIMEOUT_S}
         | fields
@@ -52,7 +64,9 @@ def supervisor(
     starts = starts or {}
 
     def args(rank: int, restart: int, pin: Any) -> tuple[Any, ...]:
-        return rank, restart, *starts.get(restart, (0.0, False))
+        if ranks is not None and rank not in ranks:
+            return rank, restart
+        return rank, restart, *starts.get(restart, (0.0, "start"))
 
     return ActorSupervisor(Sleeper, args, population, compiled_method)
 
@@ -116,7 +130,7 @@ def test_a_loss_beyond_max_actor_restarts_raises(ray_session):
     try:
         os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 3 * TIMEOUT_S
-        with pytest.raises(RuntimeError, match="max_actor_restarts=0: giving up"):
+        with pytest.raises(PopulationLostError, match="max_actor_restarts=0: giving up"):
             while time.monotonic() < deadline:
                 # Resubmitted as a caller does after a call that brought nothing.
                 if sup.in_flight(0) == 0:
@@ -127,13 +141,13 @@ def test_a_loss_beyond_max_actor_restarts_raises(ray_session):
 
 
 def test_a_replacement_is_ready_once_it_has_started_and_only_then(ray_session):
-    # Restart 1 fails in its constructor, restart 2 takes 2 s to start.
-    sup = supervisor({1: (0.0, True), 2: (2.0, False)}, max_actor_restarts=3)
+    # Restart 1 dies in its constructor, restart 2 takes 2 s to start.
+    sup = supervisor({1: (0.0, "die"), 2: (2.0, "start")}, max_actor_restarts=3)
     try:
         assert sup.ready_ranks == [0, 1]
         sup.submit(0, "x", "run", 0.0, None)
         os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
-        # The call is lost with its actor; the failed start is replaced too.
+        # The call is lost with its actor; the replacement that died starting is replaced too.
         deadline = time.monotonic() + 3 * TIMEOUT_S
         while sup.num_restarts < 2:
             assert time.monotonic() < deadline
@@ -171,3 +185,98 @@ def test_close_kills_the_actors_and_leaves_ray_running(ray_session):
                 alive.discard(pid)
         time.sleep(0.1)
     assert not alive, f"actor processes {alive} outlived close()"
+
+
+def test_an_actor_killed_while_starting_is_replaced_and_counted(ray_session):
+    # Rank 1's first actor dies in its constructor, as on a node lost while it compiles.
+    sup = supervisor({0: (0.0, "die")}, ranks={1}, max_actor_restarts=1)
+    try:
+        assert sup.ready_ranks == [0, 1]
+        assert [(i["rank"], i["restart"]) for i in sup.describe()] == [(0, 0), (1, 1)]
+        assert sup.num_restarts == 1
+        sup.submit(1, "after", "run", 0.0, "ok")
+        assert sup.next_reply() == Reply(1, "after", (1, 1, "ok"))
+    finally:
+        sup.close()
+
+
+def test_a_constructor_that_raises_stops_at_once_naming_the_actor_and_the_cause(ray_session):
+    with pytest.raises(ActorStartError) as info:
+        supervisor({0: (0.0, "fail")}, ranks={1}, max_actor_restarts=5)
+    err = info.value
+    assert (err.rank, err.restart) == (1, 0)
+    assert err.cause == "ValueError: actor 1 restart 0 cannot start"
+    assert "raise ValueError" in err.details and "\x1b[" not in err.details
+    # A replacement whose constructor raises stops the run too: no retry loop.
+    sup = supervisor({1: (0.0, "fail")}, max_actor_restarts=5)
+    try:
+        os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        with pytest.raises(ActorStartError, match=r"actor 0 \(restart 1\) could not start"):
+            while time.monotonic() < deadline:
+                if 0 in sup.ready_ranks and sup.in_flight(0) == 0:
+                    sup.submit(0, "probe", "run", 0.0, None)  # finds the dead actor
+                sup.next_reply()
+        assert sup.num_restarts == 1
+    finally:
+        sup.close()
+
+
+def test_a_rank_that_keeps_dying_while_starting_is_a_crash_loop(ray_session):
+    # Every actor of rank 0 dies in its constructor.
+    starts = {restart: (0.0, "die") for restart in range(5)}
+    with pytest.raises(PopulationLostError, match=r"replaced 2 time\(s\) in a row"):
+        supervisor(starts, ranks={0}, max_actor_restarts=2)
+
+
+def test_losses_with_replies_in_between_never_add_up_to_a_crash_loop(ray_session):
+    sup = supervisor(num_actors=1, max_actor_restarts=1)
+    try:
+        for restart in range(3):
+            os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 3 * TIMEOUT_S
+            reply = None
+            while reply is None:
+                assert time.monotonic() < deadline
+                if sup.ready_ranks and sup.in_flight(0) == 0:
+                    sup.submit(0, restart, "run", 0.0, None)
+                reply = sup.next_reply()
+            assert reply.value[1] == restart + 1  # the replacement answered
+        assert sup.num_restarts == 3
+    finally:
+        sup.close()
+
+
+def test_a_stopped_actor_is_warned_about_and_replaced_after_its_measured_call_time(
+    ray_session, caplog
+):
+    caplog.set_level(logging.WARNING, logger="popmeta")
+    # Deadlines from the measured calls: 10 x 0.05 s, at least 1 s, at most 60 s.
+    sup = supervisor(call_timeout_s=60.0, min_call_timeout_s=1.0, call_timeout_factor=10.0)
+    try:
+        # No call timed yet: 10 times the slowest start (spawn to ready) stands in.
+        slowest_start = sup.timeout_for() / 10
+        assert 0.1 <= slowest_start <= 6.0
+        assert sup.timeout_for(actor_is_ready=False) == 60.0
+        for round_number in range(MIN_TIMED_CALLS):
+            for rank in (0, 1):
+                sup.submit(rank, round_number, "run", 0.05, None)
+            assert {sup.next_reply().rank, sup.next_reply().rank} == {0, 1}
+        assert sup.timeout_for() == pytest.approx(1.0)
+        stopped = sup.describe()[1]["pid"]
+        os.kill(stopped, signal.SIGSTOP)  # a hung node: alive, silent
+        try:
+            for rank in (0, 1):
+                sup.submit(rank, "last", "run", 0.05, None)
+            start = time.monotonic()
+            assert sup.next_reply().rank == 0
+            assert sup.next_reply() is None  # rank 1 was replaced
+            waited = time.monotonic() - start
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        assert 1.0 <= waited < 10.0, waited
+        assert sup.num_restarts == 1 and sup.num_lost_calls == 1
+        assert "actor 1 (restart 0, pid" in caplog.text and "has not replied for" in caplog.text
+        assert "no reply within 1s (population.call_timeout_factor=10" in caplog.text
+    finally:
+        sup.close()
