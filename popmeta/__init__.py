@@ -1,5 +1,7 @@
 """popmeta: distributed meta-training of learned optimizers with ES-family gradient estimates."""
 
+import importlib
+
 from popmeta.config import Config, ConfigError, load_config
 from popmeta.core.estimators import (
     EstimateRunner,
@@ -16,12 +18,15 @@ from popmeta.core.estimators import (
 )
 from popmeta.core.evaluation import TrainingCurves, training_curves
 from popmeta.core.learned_optimizers import (
+    AdamMLPLOpt,
     LearnableAdam,
     LearnableSGD,
     LearnableSGDM,
     LearnedOptimizer,
+    LearnedOptimizerState,
     MLPLOpt,
     MLPLOptState,
+    as_optax,
 )
 from popmeta.core.lopt_truncated_step import VectorizedLOptTruncatedStep
 from popmeta.core.mixture_truncated_step import MixtureTruncatedStep
@@ -58,6 +63,24 @@ from popmeta.learner.train_state import (
 )
 from popmeta.xla_flags import use_xla_cpu_flags
 
+#: Names of the shell's top, imported on first use: the run loop brings Ray
+#: and the export the evaluation, which the library's functions do without.
+_LAZY = {
+    "RunResult": "popmeta.run_loop",
+    "train": "popmeta.run_loop",
+    "TrainedOptimizer": "popmeta.export",
+    "export_optimizer": "popmeta.export",
+    "load_optimizer": "popmeta.export",
+    "read_trained_optimizer": "popmeta.export",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'popmeta' has no attribute {name!r}")
+
+
 # Same random bits, fewer XLA operations per draw on CPU (see popmeta.core.threefry).
 use_unrolled_threefry_on_cpu()
 # Small inner loops as one CPU kernel, if JAX has yet to start (see popmeta.xla_flags).
@@ -67,6 +90,7 @@ __all__ = [
     "SGD",
     "SGDM",
     "Adam",
+    "AdamMLPLOpt",
     "Config",
     "ConfigError",
     "ConstantTruncationSchedule",
@@ -84,6 +108,7 @@ __all__ = [
     "LearnableSGD",
     "LearnableSGDM",
     "LearnedOptimizer",
+    "LearnedOptimizerState",
     "LogUniformLengthSchedule",
     "MLPLOpt",
     "MLPLOptState",
@@ -94,11 +119,13 @@ __all__ = [
     "OptaxState",
     "Optimizer",
     "QuadraticTask",
+    "RunResult",
     "ShardedRunner",
     "SingleDeviceRunner",
     "Task",
     "TaskFamily",
     "TrainState",
+    "TrainedOptimizer",
     "TrainingCurves",
     "TruncatedES",
     "TruncatedGrad",
@@ -109,14 +136,19 @@ __all__ = [
     "TruncationState",
     "VectorizedLOptTruncatedStep",
     "VectorizedTruncatedStep",
+    "as_optax",
     "build_apply_estimate_fn",
     "build_apply_estimates_fn",
     "build_train_step_fn",
+    "export_optimizer",
     "load_config",
     "load_npz_images_8x8",
+    "load_optimizer",
     "make_outer_optimizer",
     "make_runner",
+    "read_trained_optimizer",
     "single_task_to_family",
+    "train",
     "training_curves",
     "use_unrolled_threefry_on_cpu",
     "use_xla_cpu_flags",

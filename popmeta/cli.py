@@ -1,4 +1,4 @@
-"""The ``popmeta`` command line: ``train``, ``validate``, ``eval`` and ``kinds``.
+"""The ``popmeta`` command line: ``train``, ``validate``, ``eval``, ``export`` and ``kinds``.
 
 Every failure ends in one paragraph on stderr (``popmeta: ...``) and an exit
 status of :data:`EXIT_STATUSES`, never in a traceback: an unexpected error's
@@ -112,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="eval.KEY=VALUE",
         help="change an eval field of the checkpoint's config, e.g. eval.num_tasks=64",
     )
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's learned optimizer to a file popmeta.load_optimizer reads",
+    )
+    export.add_argument("checkpoint", help="a ckpt_*.npz file written by `popmeta train`")
+    export.add_argument("out", help="the file to write, e.g. my_optimizer.npz")
     return parser
 
 
@@ -140,7 +146,7 @@ def _train(config, from_checkpoint: str | None) -> int:
     from popmeta.population.placement import PlacementError
     from popmeta.population.supervisor import ActorStartError, PopulationLostError
     from popmeta.run_dir import RunDirectoryError
-    from popmeta.train import DivergedError, RunWriteError, train
+    from popmeta.run_loop import DivergedError, RunWriteError, train
 
     pop = config.population
     print(
@@ -219,9 +225,34 @@ def _eval(checkpoint: str, out: str | None, overrides: list[str]) -> int:
     return 0
 
 
+def _export(checkpoint: str, out: str) -> int:
+    from popmeta.export import export_optimizer, read_trained_optimizer
+
+    try:
+        written = export_optimizer(checkpoint, out)
+        trained = read_trained_optimizer(written)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err), EX_USAGE)
+    except OSError as err:
+        return _fail(f"cannot write {out}: {err.strerror or err} (errno {err.errno})", EX_IOERR)
+    horizon = (
+        f"; it reads how far through a run it is: load_optimizer({str(written)!r}, num_steps=N)"
+        if trained.lopt.needs_num_steps
+        else ""
+    )
+    print(
+        f"{written}: learned_optimizer.kind={trained.config.kind!r} from step "
+        f"{trained.source.get('step')} of {trained.source.get('run')!r}; in Python, "
+        f"popmeta.load_optimizer({str(written)!r}) is an optax transformation{horizon}"
+    )
+    return 0
+
+
 def _command(args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _eval(args.checkpoint, args.out, args.overrides)
+    if args.command == "export":
+        return _export(args.checkpoint, args.out)
     if args.command == "kinds":
         from popmeta.registry import render_markdown
 

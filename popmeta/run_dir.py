@@ -8,8 +8,8 @@ a name must never mix two experiments, so before anything starts:
   the experiment is refused, naming the fields and the ways on (a new
   ``name``, or ``--from-checkpoint`` to take the run over from one of its
   checkpoints with the new config). Fields in :data:`SAFE_TO_CHANGE` (how long
-  to train, logging and checkpoint cadence, where Ray runs, the evaluation at
-  the end) may change on a resume;
+  to train, logging and checkpoint cadence, where Ray runs, the engine, the
+  evaluation at the end) may change on a resume;
 * a lock (``.lock``, held with ``fcntl.flock`` for as long as the run lives)
   keeps a second live run out of the directory; the kernel releases it when
   its process dies, so a stale lock file of a killed run is simply taken over;
@@ -92,6 +92,8 @@ SAFE_TO_CHANGE = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "population.address",
+    # The local engine and sync Ray compute the same estimates bit for bit.
+    "population.engine",
     "population.call_timeout_s",
     "population.call_timeout_factor",
     "population.min_call_timeout_s",

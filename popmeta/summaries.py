@@ -169,11 +169,20 @@ class RoundStats:
     rank. The ``trajectory_phase`` histogram pools every
     actor's latest task phases: a population in lockstep shows one spike, a
     decorrelated one a flat histogram.
+
+    Args:
+      steps_per_estimate: inner steps behind one estimate.
+      task_family: the family the meta-loss is reported under when the
+        estimates carry no per-family losses.
+      actors: the workers are actors (the Ray engine): staleness, drops,
+        missing estimates, losses and restarts are written; the local engine
+        has none of them.
     """
 
-    def __init__(self, steps_per_estimate: int, task_family: str):
+    def __init__(self, steps_per_estimate: int, task_family: str, actors: bool = True):
         self.steps_per_estimate = steps_per_estimate
         self.task_family = task_family
+        self.actors = actors
         self.dropped_stale_by_actor: dict[int, int] = defaultdict(int)
         self.missing_by_actor: dict[int, int] = defaultdict(int)
         self.accepted_late_by_actor: dict[int, int] = defaultdict(int)
@@ -231,14 +240,17 @@ class RoundStats:
             "learner_update_time": np.mean(self._update_times) if self._update_times else 0.0,
             "estimates_per_s": self.last_estimates_per_s,
             "inner_steps_per_s": self.last_estimates_per_s * self.steps_per_estimate,
-            "dropped_stale": sum(self.dropped_stale_by_actor.values()),
-            "missing_estimates": sum(self.missing_by_actor.values()),
-            "lost_in_flight": self.lost_in_flight,
-            "accepted_late": sum(self.accepted_late_by_actor.values()),
             "rejected_nonfinite": self.rejected_nonfinite,
-            "actor_restarts": self.restarts,
-            "live_actors": live_actors,
         }
+        if self.actors:
+            values |= {
+                "dropped_stale": sum(self.dropped_stale_by_actor.values()),
+                "missing_estimates": sum(self.missing_by_actor.values()),
+                "lost_in_flight": self.lost_in_flight,
+                "accepted_late": sum(self.accepted_late_by_actor.values()),
+                "actor_restarts": self.restarts,
+                "live_actors": live_actors,
+            }
         # A mixture's estimates carry each family's loss; a single family's is the meta-loss.
         by_family = {f: np.mean(losses) for f, losses in self._family_losses.items()}
         for family, loss in (by_family or {self.task_family: meta_loss}).items():
@@ -246,7 +258,7 @@ class RoundStats:
         names = {"param_norm": "theta_norm"}
         for name, series in self._norms.items():
             values[names.get(name, name)] = np.mean(series)
-        if self._staleness:
+        if self._staleness and self.actors:
             values["staleness_mean"] = np.mean(self._staleness)
             values["staleness_max"] = np.max(self._staleness)
             summaries.histogram(step, "staleness", np.asarray(self._staleness))

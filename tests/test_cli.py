@@ -322,7 +322,7 @@ def test_bad_overrides_fail_before_anything_starts(
     def must_not_run(*args, **kwargs):
         raise AssertionError("training started despite a bad config")
 
-    monkeypatch.setattr("popmeta.train.train", must_not_run)
+    monkeypatch.setattr("popmeta.run_loop.train", must_not_run)
     args = [arg for override in overrides for arg in ("--set", override)]
     for command in ("train", "validate"):
         assert main([command, *args]) == 2

@@ -137,6 +137,23 @@ def test_overrides(tmp_path):
     assert load_config(None, ["seed=1", "seed=2"]).seed == 2
 
 
+def test_an_override_repairs_a_bad_value_of_the_file_and_errors_name_their_source(tmp_path):
+    path = _write(tmp_path, "task:\n  family: curvd_quadratic\n  dim: 3\n")
+    with pytest.raises(ConfigError, match=rf"got 'curvd_quadratic' \(in {path}\)"):
+        load_config(path)
+    assert load_config(path, ["task.family=curved_quadratic"]).task.family == "curved_quadratic"
+    # A bad value from an override names the override; one left in the file, the file.
+    with pytest.raises(
+        ConfigError, match=r"task\.dim: expected int, got 'x' \(in --set task\.dim=x\)"
+    ):
+        load_config(path, ["task.family=curved_quadratic", "task.dim=x"])
+    with pytest.raises(ConfigError, match=rf"'curvd_quadratic' \(in {path}\)"):
+        load_config(path, ["task.dim=4"])
+    # A section override replaces what an earlier override set inside it.
+    with pytest.raises(ConfigError, match=r"\(in --set task=\{dim: y, family: quadratic\}\)"):
+        load_config(path, ["task.dim=x", "task={dim: y, family: quadratic}"])
+
+
 def test_unknown_key_in_file_names_dotted_key_and_file(tmp_path):
     path = _write(tmp_path, "estimator:\n  stdd: 0.1\n")
     with pytest.raises(ConfigError) as info:

@@ -25,8 +25,8 @@ from popmeta.evaluate import (
     write_reports,
 )
 from popmeta.experiment import build_task_family, initial_theta
+from popmeta.run_loop import train
 from popmeta.summaries import Summaries
-from popmeta.train import train
 from tests.events import read_scalars
 from tests.local_run import local_config
 

@@ -37,8 +37,8 @@ from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint
 from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
 from popmeta.run_dir import RunDirectoryError
+from popmeta.run_loop import RunWriteError, train
 from popmeta.summaries import Summaries
-from popmeta.train import RunWriteError, train
 from tests.events import read_events, read_scalars
 from tests.local_run import local_config, no_population
 

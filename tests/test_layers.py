@@ -29,7 +29,7 @@ LAYERS: list[list[str]] = [
     ["popmeta.population", "popmeta.storage"],  # placement, gather; local or remote files
     ["popmeta.summaries", "popmeta.run_dir"],  # TensorBoard; a run directory's identity
     ["popmeta.evaluate", "popmeta.run_checkpoints"],  # meta-testing; a run's checkpoints
-    ["popmeta.train"],  # the run loop
+    ["popmeta.run_loop", "popmeta.export"],  # the run loop; a trained optimizer as a file
     ["popmeta.cli", "popmeta.__main__"],  # the command line
     ["popmeta"],  # the public namespace re-exports everything
 ]
@@ -70,7 +70,7 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
             else:
                 module = node.module or ""
             found.append((node.lineno, module))
-            # `from popmeta import train` imports the submodule popmeta.train.
+            # `from popmeta import run_loop` imports the submodule popmeta.run_loop.
             if module == "popmeta":
                 found += [(node.lineno, f"popmeta.{alias.name}") for alias in node.names]
     return [(line, m) for line, m in found if m == "popmeta" or m.startswith("popmeta.")]
@@ -113,12 +113,14 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
     (fake / "__init__.py").write_text("")
     (fake / "learner" / "__init__.py").write_text("")
     (fake / "learner" / "bad.py").write_text(
-        "def f():\n    from popmeta.train import train\n    return train\n"
+        "def f():\n    from popmeta.run_loop import train\n    return train\n"
     )
     (fake / "train.py").write_text("from .learner import bad\n")
     monkeypatch.setattr(f"{__name__}.PACKAGE", fake)
     problems = upward_imports()
-    assert len(problems) == 1 and "popmeta.learner (layer 4) imports popmeta.train" in problems[0]
+    assert (
+        len(problems) == 1 and "popmeta.learner (layer 4) imports popmeta.run_loop" in problems[0]
+    )
 
 
 @pytest.mark.parametrize("module", ["popmeta.core.tasks.base", "popmeta.learner.learner"])

@@ -36,7 +36,7 @@ from popmeta.learner.checkpoints import (
 from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
-from popmeta.train import train
+from popmeta.run_loop import train
 from tests.local_run import local_config
 from tests.population import tree_bytes
 
@@ -286,6 +286,18 @@ def test_ray_sync_run_stopped_at_a_non_multiple_step_resumes_bitwise(
     assert "worker states restored: rank(s) [0, 1]" in resumed
     # Sync Ray is bitwise equal to the local engine, so to the local reference.
     _assert_bitwise_equal(_final(config), reference)
+
+
+def test_a_run_started_on_the_local_engine_continues_on_ray_bitwise(
+    ray_session, tmp_path, reference
+):
+    local = _config(tmp_path, "moved")
+    _train(local, _stopping(LocalPopulation, 2))
+    on_ray = _ray_config(tmp_path, "moved")
+    resumed = _train(on_ray, _stopping(RayPopulation, NUM_STEPS - 1))
+    assert "ckpt_00000003.npz at step 3" in resumed
+    assert "worker states restored: rank(s) [0, 1]" in resumed
+    _assert_bitwise_equal(_final(on_ray), reference)
 
 
 def test_ray_async_actors_take_their_saved_states_where_they_fit(ray_session, tmp_path):

@@ -29,7 +29,7 @@ from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
 from popmeta.run_checkpoints import WORKERS, RunCheckpoints, all_finite
 from popmeta.run_dir import RunDirectory, RunDirectoryError
-from popmeta.train import DivergedError, train
+from popmeta.run_loop import DivergedError, train
 from tests.local_run import local_config
 from tests.population import tree_bytes
 

@@ -24,8 +24,8 @@ from moto.server import ThreadedMotoServer
 from popmeta.config import config_to_dict
 from popmeta.evaluate import load_theta
 from popmeta.run_dir import RunDirectoryError
+from popmeta.run_loop import DivergedError, train
 from popmeta.storage import Mirror, RemoteDir, RemoteLock, StorageError, is_remote, join, parent
-from popmeta.train import DivergedError, train
 from tests.local_run import local_config, no_population
 
 BUCKET = "popmeta-test"

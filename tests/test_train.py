@@ -6,11 +6,14 @@ import io
 
 import pytest
 
-from popmeta.learner.checkpoints import list_checkpoints, read_checkpoint_metadata
+import popmeta
+from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint, read_checkpoint_metadata
+from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
-from popmeta.train import open_population, train
+from popmeta.run_loop import open_population, train
 from tests.events import read_scalars
 from tests.local_run import local_config
+from tests.population import tree_bytes
 
 
 def _config(run_dir):
@@ -54,4 +57,21 @@ def test_the_local_engine_needs_no_ray_and_reports_its_workers(tmp_path):
     stream = io.StringIO()
     result = train(config, stream=stream)
     assert result.final_step == 6 and not result.interrupted
-    assert "2 actor(s) on 1 node(s)" in stream.getvalue()
+    assert "2 worker(s) in this process, one after another (local engine)" in stream.getvalue()
+    # No actors, so no staleness, drops, losses or restarts to report.
+    tags = set(read_scalars(tmp_path / "owner"))
+    assert {"meta_loss", "estimates_per_s", "rejected_nonfinite"} <= tags
+    for tag in ("actor_restarts", "live_actors", "staleness_max", "lost_in_flight"):
+        assert tag not in tags, tag
+
+
+def test_popmeta_train_from_python_returns_theta_and_the_newest_checkpoint(tmp_path):
+    config = _config(tmp_path)
+    result = popmeta.train(config, stream=io.StringIO())
+    assert isinstance(result, popmeta.RunResult) and result.final_step == 6
+    assert result.checkpoint == tmp_path / "owner" / "checkpoints" / "ckpt_00000006.npz"
+    saved = load_checkpoint(result.checkpoint, Learner(config).checkpoint_tree())
+    assert tree_bytes(result.theta) == tree_bytes(saved.tree["theta"])
+    # A second call finds the run finished: the same theta, nothing trained.
+    again = popmeta.train(config, stream=io.StringIO())
+    assert again.already_finished and tree_bytes(again.theta) == tree_bytes(result.theta)

@@ -1,7 +1,9 @@
 """Reading configs: YAML files, ``--set`` overrides, type checks against the schema.
 
 A config is built from a YAML file plus ``--set a.b=value`` overrides, and
-checked before any actor starts:
+checked before any actor starts. The overrides apply to the file's values
+before anything is checked, so ``--set`` can repair a bad value in a file;
+an error names the override that set the field, else the file:
 
 * unknown keys fail naming the full dotted key and listing the known ones;
 * wrong types fail naming the field, the expected type and the value;
@@ -26,13 +28,14 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +48,30 @@ __all__ = ["config_from_dict", "config_to_dict", "config_to_yaml", "load_config"
 
 # Exponent-notation numbers that YAML 1.1 leaves as strings ("1e-3", "2E+5").
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+#: Where the value at a dotted path came from, for error messages.
+Source = Callable[[str], str]
+
+
+class _Sources:
+    """The file (or mapping) a config came from, and the ``--set`` that last set each key."""
+
+    def __init__(self, base: str):
+        self.base = base
+        self._overrides: dict[str, str] = {}
+
+    def record(self, key: str, override: str) -> None:
+        for earlier in [k for k in self._overrides if k.startswith(key + ".")]:
+            del self._overrides[earlier]  # the new value of the section replaces them
+        self._overrides[key] = f"--set {override}"
+
+    def __call__(self, path: str) -> str:
+        parts = path.rstrip(".").split(".")
+        for end in range(len(parts), 0, -1):
+            override = self._overrides.get(".".join(parts[:end]))
+            if override is not None:
+                return override
+        return self.base
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -87,11 +114,11 @@ def _in(source: str) -> str:
     return f" (in {source})"
 
 
-def _coerce(value: Any, tp: Any, path: str, source: str) -> Any:
+def _coerce(value: Any, tp: Any, path: str, source: Source) -> Any:
     """Checks ``value`` against ``tp``; returns it converted (int -> float, ...)."""
 
     def fail() -> ConfigError:
-        return ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}{_in(source)}")
+        return ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}{_in(source(path))}")
 
     args = _union_args(tp)
     if args is not None:
@@ -114,7 +141,7 @@ def _coerce(value: Any, tp: Any, path: str, source: str) -> Any:
         if any(type(value) is type(c) and value == c for c in choices):
             return value
         allowed = ", ".join(repr(c) for c in choices)
-        raise ConfigError(f"{path}: expected one of {allowed}, got {value!r}{_in(source)}")
+        raise ConfigError(f"{path}: expected one of {allowed}, got {value!r}{_in(source(path))}")
 
     if typing.get_origin(tp) is dict:
         key_tp, value_tp = typing.get_args(tp)
@@ -124,7 +151,7 @@ def _coerce(value: Any, tp: Any, path: str, source: str) -> Any:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ConfigError(
-                    f"{path}: keys must be {_type_name(key_tp)}, got {key!r}{_in(source)}"
+                    f"{path}: keys must be {_type_name(key_tp)}, got {key!r}{_in(source(path))}"
                 )
             if _is_section(value_tp):
                 checked = _coerce_section(item, value_tp, f"{path}.{key}.", source)
@@ -147,7 +174,9 @@ def _coerce(value: Any, tp: Any, path: str, source: str) -> Any:
             value = float(value)
         if isinstance(value, int | float) and not isinstance(value, bool):
             if not math.isfinite(value):
-                raise ConfigError(f"{path}: expected a finite float, got {value!r}{_in(source)}")
+                raise ConfigError(
+                    f"{path}: expected a finite float, got {value!r}{_in(source(path))}"
+                )
             return float(value)
         raise fail()
     if tp is str:
@@ -171,7 +200,7 @@ def _unknown_key(key: Any, cls: type, prefix: str, source: str) -> ConfigError:
     )
 
 
-def _coerce_section(raw: Any, cls: type, prefix: str, source: str) -> dict[str, Any]:
+def _coerce_section(raw: Any, cls: type, prefix: str, source: Source) -> dict[str, Any]:
     """Type-checks a mapping against a section class; returns checked values."""
     if raw is None:
         # An empty YAML section (`estimator:` with nothing under it) means defaults.
@@ -180,13 +209,13 @@ def _coerce_section(raw: Any, cls: type, prefix: str, source: str) -> dict[str, 
         where = prefix.rstrip(".") or "config"
         raise ConfigError(
             f"{where}: expected a mapping with keys {', '.join(_known_keys(cls, prefix))}, "
-            f"got {raw!r}{_in(source)}"
+            f"got {raw!r}{_in(source(prefix))}"
         )
     field_types = _field_types(cls)
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in field_types:
-            raise _unknown_key(key, cls, prefix, source)
+            raise _unknown_key(key, cls, prefix, source(f"{prefix}{key}"))
         tp = field_types[key]
         path = f"{prefix}{key}"
         if _is_section(tp):
@@ -214,7 +243,8 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
             base[key] = value
 
 
-def _apply_override(values: dict[str, Any], override: str) -> None:
+def _apply_override(raw: dict[str, Any], override: str, sources: _Sources) -> None:
+    """Puts the override's value into the raw (not yet checked) values."""
     source = f"--set {override}"
     key, sep, text = override.partition("=")
     key = key.strip()
@@ -222,34 +252,36 @@ def _apply_override(values: dict[str, Any], override: str) -> None:
         raise ConfigError(f"bad override {override!r}: expected KEY=VALUE, e.g. estimator.std=0.02")
     parts = key.split(".")
     cls: type = Config
-    target = values
+    target = raw
     for i, part in enumerate(parts):
         prefix = "".join(f"{p}." for p in parts[:i])
         field_types = _field_types(cls)
         if part not in field_types:
             raise _unknown_key(part, cls, prefix, source)
         tp = field_types[part]
-        last = i == len(parts) - 1
-        if not last:
+        if i < len(parts) - 1:
             if not _is_section(tp):
                 raise ConfigError(
                     f"unknown config key {key!r} in {source}: {prefix}{part} holds a "
                     f"value of type {_type_name(tp)}, not a section"
                 )
             cls = tp
-            target = target.setdefault(part, {})
+            if not isinstance(target.get(part), dict):
+                target[part] = {}  # a missing (or empty) section of the file
+            target = target[part]
             continue
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{key}: cannot parse value {text!r}{_in(source)}: {e}") from e
-        if _is_section(tp):
-            _merge(target.setdefault(part, {}), _coerce_section(value, tp, f"{key}.", source))
-            return
-        if _accepts_str(tp) and value is not None and not isinstance(value, str | Mapping | list):
+        if _is_section(tp) and isinstance(value, Mapping) and isinstance(target.get(part), dict):
+            _merge(target[part], copy.deepcopy(dict(value)))
+        elif _accepts_str(tp) and value is not None and not isinstance(value, str | Mapping | list):
             # `--set name=2024` means the string, even though YAML reads an int.
-            value = text.strip()
-        target[part] = _coerce(value, tp, key, source)
+            target[part] = text.strip()
+        else:
+            target[part] = value
+        sources.record(key, override)
 
 
 def config_from_dict(
@@ -269,9 +301,14 @@ def config_from_dict(
     Raises:
       ConfigError: naming the offending field and the source.
     """
-    values = _coerce_section(d, Config, "", source)
+    sources = _Sources(source)
+    if d is not None and overrides and not isinstance(d, Mapping):
+        _coerce_section(d, Config, "", sources)  # fails, naming the source
+    raw: Any = copy.deepcopy(dict(d)) if isinstance(d, Mapping) else d
     for override in overrides:
-        _apply_override(values, override)
+        raw = raw if isinstance(raw, dict) else {}
+        _apply_override(raw, override, sources)
+    values = _coerce_section(raw, Config, "", sources)
     try:
         return _build(Config, values)
     except ConfigError as e:

@@ -1,11 +1,13 @@
 """The Optimizer protocol and hand-designed baselines built on optax.
 
 An :class:`Optimizer` is a pure object: ``init`` builds a state, ``update``
-returns the next state, ``get_params`` reads the parameters back. Every state,
+returns the next state, ``get_params`` reads the parameters back, and ``step``
+returns the next state with the change it made to the parameters (what an
+optax transformation of the optimizer returns as its updates). Every state,
 learned optimizers included, is a ``NamedTuple`` with at least ``params`` and
 ``iteration`` (an int32 scalar array: the number of updates applied, which
 optimizers with time features read). States also have ``replace(**fields)``,
-the spelling of the reference library's dataclass states, as well as
+the spelling of learned_optimization's dataclass states, as well as
 NamedTuple's ``_replace``.
 """
 
@@ -33,7 +35,14 @@ OptState = Any
 
 
 class Optimizer:
-    """Protocol of inner optimizers (hand-designed or produced by a learned one)."""
+    """Protocol of inner optimizers (hand-designed or produced by a learned one).
+
+    Implement ``init`` and either ``step`` or ``update``: each has a default
+    made from the other. An optimizer that implements ``step`` has its
+    parameters moved by ``optax.apply_updates(params, updates)``, so an optax
+    loop that applies the same updates follows it bit for bit; from ``update``
+    alone the updates are ``new - old`` parameters, equal up to rounding.
+    """
 
     def init(
         self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
@@ -62,7 +71,26 @@ class Optimizer:
           loss: Loss at the current parameters, for optimizers that use it.
           key: PRNG key, for stochastic optimizers.
         """
-        raise NotImplementedError
+        if type(self).step is Optimizer.step:
+            raise NotImplementedError(f"{type(self).__name__} implements neither step nor update")
+        return self.step(state, grad, loss, key)[1]
+
+    def step(
+        self,
+        state: OptState,
+        grad: Params,
+        loss: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> tuple[Params, OptState]:
+        """One step as ``(updates, next_state)``: ``next_state`` holds ``params + updates``.
+
+        Arguments as for :meth:`update`.
+        """
+        if type(self).update is Optimizer.update:
+            raise NotImplementedError(f"{type(self).__name__} implements neither step nor update")
+        following = self.update(state, grad, loss, key)
+        updates = jax.tree.map(jnp.subtract, self.get_params(following), self.get_params(state))
+        return updates, following
 
     def get_params(self, state: OptState) -> Params:
         """Returns the parameters held in ``state``."""
@@ -110,21 +138,22 @@ class OptaxOptimizer(Optimizer):
             iteration=jnp.asarray(0, jnp.int32),
         )
 
-    def update(
+    def step(
         self,
         state: OptaxState,
         grad: Params,
         loss: jax.Array | None = None,
         key: jax.Array | None = None,
-    ) -> OptaxState:
+    ) -> tuple[Params, OptaxState]:
         del key
         extra = {} if loss is None else {"value": loss}
         updates, optax_state = self.opt.update(grad, state.optax_state, state.params, **extra)
-        return OptaxState(
+        following = OptaxState(
             params=optax.apply_updates(state.params, updates),
             optax_state=optax_state,
             iteration=state.iteration + 1,
         )
+        return updates, following
 
 
 class SGD(OptaxOptimizer):

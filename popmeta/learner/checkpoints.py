@@ -60,6 +60,7 @@ __all__ = [
     "read_checkpoint_metadata",
     "restore_latest",
     "save_checkpoint",
+    "save_tree",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,33 @@ def save_checkpoint(
         raise ValueError(f"optional sections {sorted(set(optional) - set(tree))} are not in tree")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    save_tree(final, tree, step, metadata, optional)
+    if keep is not None:
+        for old in list_checkpoints(directory)[:-keep]:
+            old.unlink(missing_ok=True)
+    return final
 
+
+def save_tree(
+    path: PathLike,
+    tree: Mapping[str, Any],
+    step: int = 0,
+    metadata: Mapping[str, Any] | None = None,
+    optional: tuple[str, ...] = (),
+) -> Path:
+    """Atomically writes ``tree`` to the file ``path`` in the checkpoint format.
+
+    What :func:`save_checkpoint` writes, at a path of the caller's choosing
+    (its directory must exist); :func:`load_checkpoint` reads it back. Other
+    popmeta files that hold arrays (an exported learned optimizer) use it.
+
+    Returns:
+      ``path``.
+
+    Raises:
+      TypeError: a leaf is not an array, or ``metadata`` is not json-able.
+    """
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     prng_impls: dict[str, str] = {}
@@ -215,8 +242,9 @@ def save_checkpoint(
         raise TypeError(f"checkpoint metadata must be json-able: {e}") from e
     arrays[_METADATA_KEY] = np.array(header_json)
 
+    final = Path(path)
+    directory = final.parent
     _remove_stale_temp_files(directory)
-    final = checkpoint_path(directory, step)
     fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -233,10 +261,6 @@ def save_checkpoint(
             Path(tmp_name).unlink(missing_ok=True)
         raise
     _fsync_directory(directory)
-
-    if keep is not None:
-        for old in list_checkpoints(directory)[:-keep]:
-            old.unlink(missing_ok=True)
     return final
 
 
@@ -247,7 +271,11 @@ def _remove_stale_temp_files(directory: Path) -> None:
                 entry.unlink()
 
 
-def _header(npz: Any) -> dict[str, Any]:
+def _header(npz: Any, path: Path) -> dict[str, Any]:
+    if _METADATA_KEY not in npz.files:
+        raise CheckpointCorruptedError(
+            f"{path} is not a popmeta checkpoint: a .npz archive without popmeta's header"
+        )
     header = json.loads(str(npz[_METADATA_KEY][()]))
     if not isinstance(header, dict) or "step" not in header:
         raise ValueError("metadata entry is not a checkpoint header")
@@ -292,7 +320,7 @@ def _read_archive(path: Path, target: Any = None) -> tuple[dict[str, Any], dict[
     """
     try:
         with _open_archive(path) as npz:
-            header = _header(npz)
+            header = _header(npz, path)
             skipped = _skipped_prefixes(header, target)
             # Reading every member forces zipfile's CRC check, so a damaged
             # array is detected here rather than half-way through a restore.
@@ -322,7 +350,7 @@ def read_checkpoint_metadata(path: PathLike) -> dict[str, Any]:
     path = Path(path)
     try:
         with _open_archive(path) as npz:
-            header = _header(npz)
+            header = _header(npz, path)
     except (FileNotFoundError, CheckpointCorruptedError):
         raise
     except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as e:

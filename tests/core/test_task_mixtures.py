@@ -36,7 +36,7 @@ from popmeta.core.tasks import (
 from popmeta.core.tree_utils import per_task, tree_add
 from popmeta.core.truncation import ConstantTruncationSchedule
 from popmeta.experiment import build_truncated_step
-from popmeta.train import train
+from popmeta.run_loop import train
 from tests.events import read_scalars
 from tests.local_run import local_config
 

@@ -36,7 +36,7 @@ from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
 from popmeta.population.supervisor import ActorStartError, ActorSupervisor, PopulationLostError
-from popmeta.train import train
+from popmeta.run_loop import train
 from tests.events import read_scalars
 from tests.population import CALL_TIMEOUT_S, run_updates, tiny_config, tree_bytes
 from tests.processes import ActorKiller

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from popmeta.population.ray_population import RayPopulation
-from popmeta.train import train
+from popmeta.run_loop import train
 from tests.events import read_events
 from tests.population import tiny_config
 

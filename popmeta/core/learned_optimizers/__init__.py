@@ -1,6 +1,7 @@
 """Learned optimizers: theta -> Optimizer."""
 
 from popmeta.core.learned_optimizers.adam_mlp_lopt import AdamMLPLOpt, AdamMLPLOptState
+from popmeta.core.learned_optimizers.as_optax import LearnedOptimizerState, as_optax
 from popmeta.core.learned_optimizers.base import LearnedOptimizer
 from popmeta.core.learned_optimizers.learnable import LearnableAdam, LearnableSGD, LearnableSGDM
 from popmeta.core.learned_optimizers.mlp_lopt import MLPLOpt, MLPLOptState
@@ -12,6 +13,8 @@ __all__ = [
     "LearnableSGD",
     "LearnableSGDM",
     "LearnedOptimizer",
+    "LearnedOptimizerState",
     "MLPLOpt",
     "MLPLOptState",
+    "as_optax",
 ]

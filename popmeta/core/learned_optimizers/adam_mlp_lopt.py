@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
@@ -111,13 +112,13 @@ class _AdamMLPLOptOptimizer(Optimizer):
             num_steps=jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0),
         )
 
-    def update(
+    def step(
         self,
         state: AdamMLPLOptState,
         grad: Params,
         loss: jax.Array | None = None,
         key: jax.Array | None = None,
-    ) -> AdamMLPLOptState:
+    ) -> tuple[Params, AdamMLPLOptState]:
         del loss, key
         lopt = self._lopt
         momentums, rms = update_accumulators(
@@ -135,19 +136,23 @@ class _AdamMLPLOptOptimizer(Optimizer):
             self._theta["mlp"], state.params, grad, momentums, rms, shared, lopt.epsilon
         )
 
-        def update_tensor(
+        def tensor_update(
             p: jax.Array, m: jax.Array, v: jax.Array, correction: jax.Array, log_scale: jax.Array
         ) -> jax.Array:
             m_hat = m[..., lopt.beta1_index] / momentum_correction
             v_hat = v / rms_correction
             adam_direction = m_hat / (jnp.sqrt(v_hat) + lopt.epsilon)
             step = lr * jnp.exp(log_scale) * (adam_direction + correction)
-            return p - step.astype(p.dtype)
+            return -step.astype(p.dtype)
 
-        params = jax.tree.map(update_tensor, state.params, momentums, rms, corrections, log_scales)
-        return state._replace(
-            params=params, momentums=momentums, rms=rms, iteration=state.iteration + 1
+        updates = jax.tree.map(tensor_update, state.params, momentums, rms, corrections, log_scales)
+        following = state._replace(
+            params=optax.apply_updates(state.params, updates),
+            momentums=momentums,
+            rms=rms,
+            iteration=state.iteration + 1,
         )
+        return updates, following
 
 
 class AdamMLPLOpt(LearnedOptimizer):
@@ -157,6 +162,8 @@ class AdamMLPLOpt(LearnedOptimizer):
     nominal learning rate and an MLP of ``hidden_layers`` hidden layers of
     ``hidden_size`` relu units whose 2-unit output layer starts at zero.
     """
+
+    needs_num_steps = True
 
     def __init__(
         self,

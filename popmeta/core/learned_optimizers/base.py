@@ -20,7 +20,15 @@ class LearnedOptimizer:
     ``opt_fn`` must be pure in ``theta``: the returned optimizer closes over it,
     so ``theta`` can be a tracer under ``jit``, ``vmap`` or ``grad`` and the
     meta-gradient (or an ES perturbation) flows through the whole inner unroll.
+
+    Attributes:
+      needs_num_steps: its optimizer reads how far through the run it is, so
+        its ``init`` needs ``num_steps`` (the planned number of steps).
+      uses_loss: its optimizer reads the loss, so its ``update`` needs ``loss``.
     """
+
+    needs_num_steps: bool = False
+    uses_loss: bool = False
 
     def init(self, key: jax.Array) -> MetaParams:
         """Samples initial meta-parameters."""

@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
@@ -108,13 +109,13 @@ class _MLPLOptOptimizer(Optimizer):
             iteration=jnp.asarray(0, jnp.int32),
         )
 
-    def update(
+    def step(
         self,
         state: MLPLOptState,
         grad: Params,
         loss: jax.Array | None = None,
         key: jax.Array | None = None,
-    ) -> MLPLOptState:
+    ) -> tuple[Params, MLPLOptState]:
         del loss, key
         lopt = self._lopt
         momentums, rms = update_accumulators(
@@ -130,14 +131,18 @@ class _MLPLOptOptimizer(Optimizer):
             self._theta, state.params, grad, momentums, rms, time_features, lopt.epsilon
         )
 
-        def update_tensor(p: jax.Array, direction: jax.Array, magnitude: jax.Array) -> jax.Array:
+        def tensor_update(p: jax.Array, direction: jax.Array, magnitude: jax.Array) -> jax.Array:
             step = direction * jnp.exp(magnitude * lopt.magnitude_multiplier) * lopt.step_multiplier
-            return p - step.astype(p.dtype)
+            return -step.astype(p.dtype)
 
-        params = jax.tree.map(update_tensor, state.params, directions, magnitudes)
-        return MLPLOptState(
-            params=params, momentums=momentums, rms=rms, iteration=state.iteration + 1
+        updates = jax.tree.map(tensor_update, state.params, directions, magnitudes)
+        following = MLPLOptState(
+            params=optax.apply_updates(state.params, updates),
+            momentums=momentums,
+            rms=rms,
+            iteration=state.iteration + 1,
         )
+        return updates, following
 
 
 class MLPLOpt(LearnedOptimizer):

@@ -174,6 +174,10 @@ class RunResult(NamedTuple):
       interrupted: Ctrl-C, SIGTERM or SIGHUP stopped the run (a checkpoint was written).
       already_finished: the run had reached ``train.num_steps`` before this
         call, which then started nothing.
+      theta: the learned optimizer's theta at ``final_step``, as numpy arrays
+        (``lopt.opt_fn(theta)`` is the trained optimizer).
+      checkpoint: the run's newest checkpoint (its storage URI for a remote
+        run), or None if it has none.
     """
 
     run_dir: Path | str
@@ -183,6 +187,8 @@ class RunResult(NamedTuple):
     evaluation: list[SettingReport]
     interrupted: bool
     already_finished: bool = False
+    theta: Any = None
+    checkpoint: Path | str | None = None
 
 
 class _Progress:
@@ -244,7 +250,9 @@ def open_population(
             population.close()
 
 
-def _placement(actors: list[dict[str, Any]]) -> str:
+def _placement(config: Config, actors: list[dict[str, Any]]) -> str:
+    if config.population.engine == "local":
+        return f"{len(actors)} worker(s) in this process, one after another (local engine)"
     nodes = {actor["node_id"] for actor in actors}
     text = f"{len(actors)} actor(s) on {len(nodes)} node(s)"
     pinned = [actor.get("pinned_cores") for actor in actors]
@@ -332,9 +340,24 @@ def _start(
                 "further, or start a new run with --set name=NEW",
                 file=stream,
             )
-            return RunResult(run.location, learner.version, math.nan, math.nan, [], False, True)
+            return RunResult(
+                run.location,
+                learner.version,
+                math.nan,
+                math.nan,
+                [],
+                interrupted=False,
+                already_finished=True,
+                theta=learner.theta(),
+                checkpoint=_newest_checkpoint(run),
+            )
         loop = _RunLoop(config, run, learner, checkpoints, stream, stop)
         return loop.train(population_factory, worker_states)
+
+
+def _newest_checkpoint(run: RunDirectory) -> Path | str | None:
+    checkpoints = list_checkpoints(run.checkpoints)
+    return run.location_of(checkpoints[-1]) if checkpoints else None
 
 
 def _check_task_data(config: Config) -> None:
@@ -390,7 +413,7 @@ class _RunLoop:
         # population and its runtime. The final checkpoint comes before all of them.
         with contextlib.ExitStack() as closing:
             population = closing.enter_context(open_population(config, population_factory))
-            print(_placement(population.describe_actors()), file=stream)
+            print(_placement(config, population.describe_actors()), file=stream)
             if worker_states:
                 _load_worker_states(population, worker_states, stream)
             try:
@@ -417,7 +440,14 @@ class _RunLoop:
             theta = self.learner.theta()
             evaluation = evaluate(config, theta, settings_of(config)[:1], stream=sys.stderr)
         return RunResult(
-            run.location, self.learner.version, start_loss, end_loss, evaluation, interrupted
+            run.location,
+            self.learner.version,
+            start_loss,
+            end_loss,
+            evaluation,
+            interrupted,
+            theta=self.learner.theta(),
+            checkpoint=_newest_checkpoint(run),
         )
 
     def _loop(
@@ -429,7 +459,11 @@ class _RunLoop:
     ) -> bool:
         """The loop, and the checkpoint it ends with; returns whether a signal stopped it."""
         learner, tcfg, stop = self.learner, self.config.train, self.stop
-        stats = RoundStats(population.steps_per_estimate, self.config.task.family)
+        stats = RoundStats(
+            population.steps_per_estimate,
+            self.config.task.family,
+            actors=self.config.population.engine == "ray",
+        )
         interrupted = False
         failure: BaseException | None = None
         failures = 0
