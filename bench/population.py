@@ -50,7 +50,7 @@ from popmeta.population.ray_population import RayPopulation, theta_argument
 
 WORK = {
     "c": [
-        "task.family=image_mlp_digits",
+        "task.kind=image_mlp_digits",
         "learned_optimizer.kind=mlp",
         "estimator.num_tasks=8",
         "estimator.trunc_length=10",
@@ -58,7 +58,7 @@ WORK = {
         "estimator.random_initial_iteration_offset=50",
     ],
     "a": [
-        "task.family=fixed_dim_quadratic_data",
+        "task.kind=fixed_dim_quadratic_data",
         "learned_optimizer.kind=learnable_sgdm",
         "estimator.num_tasks=8",
         "estimator.trunc_length=10",

@@ -61,6 +61,13 @@ from popmeta.learner.train_state import (
     build_train_step_fn,
     make_outer_optimizer,
 )
+from popmeta.registry import (
+    register_estimator,
+    register_learned_optimizer,
+    register_outer_optimizer,
+    register_task_family,
+    register_truncation_schedule,
+)
 from popmeta.xla_flags import use_xla_cpu_flags
 
 #: Names of the shell's top, imported on first use: the run loop brings Ray
@@ -147,6 +154,11 @@ __all__ = [
     "make_outer_optimizer",
     "make_runner",
     "read_trained_optimizer",
+    "register_estimator",
+    "register_learned_optimizer",
+    "register_outer_optimizer",
+    "register_task_family",
+    "register_truncation_schedule",
     "single_task_to_family",
     "train",
     "training_curves",

@@ -15,6 +15,7 @@ import errno
 import importlib.metadata
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -112,6 +113,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="eval.KEY=VALUE",
         help="change an eval field of the checkpoint's config, e.g. eval.num_tasks=64",
     )
+    evaluate.add_argument(
+        "--fresh-baselines",
+        action="store_true",
+        help="tune the baselines again instead of reading them from the cache "
+        "($POPMETA_CACHE_DIR, default ~/.cache/popmeta)",
+    )
     export = commands.add_parser(
         "export",
         help="write a checkpoint's learned optimizer to a file popmeta.load_optimizer reads",
@@ -151,7 +158,7 @@ def _train(config, from_checkpoint: str | None) -> int:
     pop = config.population
     print(
         f"popmeta: training {config.name!r}: {config.estimator.kind} + "
-        f"{config.learned_optimizer.kind} on {config.task.family}, "
+        f"{config.learned_optimizer.kind} on {config.task.kind}, "
         f"{pop.num_actors} {pop.mode} worker(s) on the {pop.engine} engine, "
         f"{config.train.num_steps} steps"
     )
@@ -165,12 +172,19 @@ def _train(config, from_checkpoint: str | None) -> int:
         return _fail(str(err), EX_IOERR)
     except ActorStartError as err:
         details = _report_file(err.details)
+        module = re.search(r"No module named '([\w.]+)'", err.cause)
+        fix = (
+            f"The actors cannot import {module.group(1)!r}: ship it to them with "
+            "population.runtime_env (py_modules: [path/to/the/module], or working_dir: the "
+            "directory that holds it), or install it on every node"
+            if module
+            else "Fix the cause on that node (a data file the actors cannot find, a library "
+            "that fails there; population.runtime_env sets the actors' environment)"
+        )
         return _fail(
             f"{err}. The actor's constructor raised, and a new actor would raise again, so "
-            "the run stopped. Fix the cause on that node (a module or data file the actors "
-            "cannot find, a library that fails there; population.env sets the actors' "
-            "environment) and rerun the same command: it resumes from the run's newest "
-            f"checkpoint, if it has one. The actor's traceback is in {details}",
+            f"the run stopped. {fix}, and rerun the same command: it resumes from the run's "
+            f"newest checkpoint, if it has one. The actor's traceback is in {details}",
             EX_CONFIG,
         )
     except (PopulationLostError, PlacementError) as err:
@@ -197,9 +211,9 @@ def _train(config, from_checkpoint: str | None) -> int:
     return EX_INTERRUPTED if result.interrupted else 0
 
 
-def _eval(checkpoint: str, out: str | None, overrides: list[str]) -> int:
+def _eval(checkpoint: str, out: str | None, overrides: list[str], fresh: bool) -> int:
     from popmeta.config import config_from_dict, config_to_dict
-    from popmeta.evaluate import EvalWriteError, evaluate_checkpoint, format_reports
+    from popmeta.evaluate import BaselineCache, EvalWriteError, evaluate_checkpoint, format_reports
 
     for override in overrides:
         if not override.startswith("eval."):
@@ -213,7 +227,12 @@ def _eval(checkpoint: str, out: str | None, overrides: list[str]) -> int:
         return config_from_dict(config_to_dict(config), "the checkpoint's config", overrides)
 
     try:
-        reports, written = evaluate_checkpoint(checkpoint, out, config_changes=with_overrides)
+        reports, written = evaluate_checkpoint(
+            checkpoint,
+            out,
+            config_changes=with_overrides,
+            baseline_cache=BaselineCache(refresh=fresh),
+        )
     except EvalWriteError as err:
         return _fail(str(err), EX_IOERR)
     except (OSError, ValueError) as err:
@@ -250,7 +269,7 @@ def _export(checkpoint: str, out: str) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "eval":
-        return _eval(args.checkpoint, args.out, args.overrides)
+        return _eval(args.checkpoint, args.out, args.overrides, args.fresh_baselines)
     if args.command == "export":
         return _export(args.checkpoint, args.out)
     if args.command == "kinds":

@@ -1,55 +1,141 @@
-"""Builds the core objects of a run from its config, through the registries.
+"""Builds the core objects of a run from its config: each section's kind, called with its fields.
 
 Everything JAX is built from the (picklable) config wherever it runs: in the
-driver for the local engine, inside each actor for the Ray engine. Which class
-a name stands for is decided in :mod:`popmeta.registry`, not here.
+driver for the local engine, inside each actor for the Ray engine. A section
+carries its resolved kind, so a kind of the user's (an import path, or a
+callable registered in a notebook, which travels by value) builds the same
+way on every process. What a kind builds is checked against what its
+section needs, and a kind that fails names itself.
 """
 
 from __future__ import annotations
 
-import jax
+from typing import Any
 
-from popmeta.config import Config, LearnedOptimizerConfig, TaskConfig, TruncationConfig
+import jax
+import optax
+
+from popmeta.config import (
+    Config,
+    ConfigError,
+    KindSection,
+    LearnedOptimizerConfig,
+    OuterOptimizerConfig,
+    TaskConfig,
+    TruncationConfig,
+)
 from popmeta.core.estimators import GradientEstimator
 from popmeta.core.learned_optimizers import LearnedOptimizer
 from popmeta.core.lopt_truncated_step import VectorizedLOptTruncatedStep
 from popmeta.core.mixture_truncated_step import MixtureTruncatedStep, apportion
-from popmeta.core.tasks import ParametricImageMLPFamily, TaskFamily
+from popmeta.core.tasks import ParametricImageMLPFamily, RescaledFamily, ScaleRange, TaskFamily
 from popmeta.core.truncation import TruncationSchedule
-from popmeta.registry import ESTIMATORS, LEARNED_OPTIMIZERS, TASK_FAMILIES, TRUNCATION_SCHEDULES
+from popmeta.registry import KindError
 
 __all__ = [
     "build_estimator",
     "build_learned_optimizer",
+    "build_outer_optimizer",
     "build_task_family",
     "build_truncated_step",
     "build_truncation_schedule",
+    "check_kinds",
     "initial_theta",
     "learner_keys",
 ]
 
 
+def _build(section: KindSection, *leading: Any, where: str | None = None) -> Any:
+    """Calls the section's kind with ``leading`` and its fields; checks what it returned.
+
+    Args:
+      section: the section.
+      *leading: what the kind takes before its fields (an estimator: the
+        truncated step and the schedule).
+      where: the section's dotted path, for messages (default: its own name).
+    """
+    registry = section.REGISTRY
+    where = where or registry.section
+    problems = list(section._problems())
+    if problems:
+        raise ConfigError("; ".join(f"{where}.{field}: {message}" for field, message in problems))
+    kind = section.resolved
+    assert kind is not None  # a section without problems has its kind
+    try:
+        built = kind.build(*leading, **section.options)
+    except (ConfigError, KindError):
+        raise
+    except (TypeError, ValueError, OSError) as err:
+        # An error about one field's value (a data file) is that field's.
+        named = [
+            name
+            for name, value in section.options.items()
+            if isinstance(value, str) and value and value in str(err)
+        ]
+        if len(named) == 1:
+            raise ConfigError(f"{where}.{named[0]}: {err}") from err
+        raise ConfigError(
+            f"{where}.kind: {kind.name!r} could not be built with {dict(section.options)}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    try:
+        return registry.check_built(kind, built)
+    except KindError as err:
+        raise ConfigError(f"{where}.kind: {str(err).split(': ', 1)[-1]}") from None
+
+
+def check_kinds(config: Config) -> None:
+    """Builds every kind the config names once, as the driver does before anything starts.
+
+    The training families (each member of a mixture), the families meta-testing
+    runs on, the learned optimizer, the schedule, the estimator on its
+    truncated step and the outer optimizer: a missing data file, a callable
+    of the user's that fails or returns the wrong type, fails here, naming
+    the section, rather than in every actor.
+
+    Raises:
+      ConfigError: naming the section's dotted path.
+    """
+    tasks = [*config.task.training_sections(), ("task", config.task)]
+    tasks += [
+        (f"eval.out_of_distribution.{n}", t) for n, t in config.eval.out_of_distribution.items()
+    ]
+    for where, task in tasks:
+        _build(task, where=where)
+    build_learned_optimizer(config.learned_optimizer)
+    build_outer_optimizer(config.outer_optimizer)
+    build_estimator(config)
+
+
 def build_task_family(cfg: TaskConfig) -> TaskFamily:
-    return TASK_FAMILIES.build(cfg.family, cfg)
+    return _build(cfg)
 
 
 def build_learned_optimizer(cfg: LearnedOptimizerConfig) -> LearnedOptimizer:
-    return LEARNED_OPTIMIZERS.build(cfg.kind, cfg)
+    return _build(cfg)
 
 
 def build_truncation_schedule(cfg: TruncationConfig) -> TruncationSchedule:
-    return TRUNCATION_SCHEDULES.build(cfg.schedule, cfg)
+    return _build(cfg)
+
+
+def build_outer_optimizer(cfg: OuterOptimizerConfig) -> list[optax.GradientTransformation]:
+    """The outer optimizer's transformations, to chain after the learner's gradient clipping."""
+    built = _build(cfg)
+    return list(built) if isinstance(built, list) else [built]
 
 
 def build_truncated_step(cfg: Config) -> VectorizedLOptTruncatedStep | MixtureTruncatedStep:
-    """The vectorized step of ``task.family``, or a mixture when ``task.families`` is set.
+    """The vectorized step of ``task``, or a mixture when ``task.mixture`` is set.
 
-    A mixture gives each family its share of ``estimator.num_tasks`` slots
+    A mixture gives each member its share of ``estimator.num_tasks`` slots
     (:func:`~popmeta.core.mixture_truncated_step.apportion`), the same split on
     every worker, so that all workers' states have one shape. A parametric
-    family (alone or in a mixture) becomes ``min(task.parametric_groups, its
-    slots)`` groups, architectures drawn from the run's ``seed`` (the same on
-    every worker, for the same reason) that split its slots evenly.
+    family (alone or in a mixture) becomes ``min(its num_groups, its slots)``
+    groups, architectures drawn from the run's ``seed`` (the same on every
+    worker, for the same reason) that split its slots evenly. A section with
+    ``rescale_*`` ranges trains on its family wrapped in
+    :class:`~popmeta.core.tasks.RescaledFamily`.
     """
     lopt = build_learned_optimizer(cfg.learned_optimizer)
     schedule = build_truncation_schedule(cfg.truncation)
@@ -64,25 +150,40 @@ def build_truncated_step(cfg: Config) -> VectorizedLOptTruncatedStep | MixtureTr
             meta_loss_split=_meta_loss_split(cfg),
         )
 
-    weights = cfg.task.families or {cfg.task.family: 1.0}
-    names = list(weights)
-    families = {name: TASK_FAMILIES.build(name, cfg.task) for name in names}
-    if len(names) == 1 and not isinstance(families[names[0]], ParametricImageMLPFamily):
-        return vectorized(families[names[0]], cfg.estimator.num_tasks)
-    counts = apportion([weights[n] for n in names], cfg.estimator.num_tasks)
+    members = (
+        {label: (m.weight, m.task) for label, m in cfg.task.mixture.items()}
+        if cfg.task.mixture
+        else {cfg.task.kind: (1.0, cfg.task)}
+    )
+    labels = list(members)
+    families = {label: build_task_family(members[label][1]) for label in labels}
+
+    def training(family: TaskFamily, section: TaskConfig) -> TaskFamily:
+        if not section.rescaled:
+            return family
+        per_tensor, overall = (
+            ScaleRange(*section.rescale_per_tensor),
+            ScaleRange(*section.rescale_overall),
+        )
+        return RescaledFamily(family, per_tensor, overall)
+
+    if len(labels) == 1 and not isinstance(families[labels[0]], ParametricImageMLPFamily):
+        return vectorized(training(families[labels[0]], cfg.task), cfg.estimator.num_tasks)
+    counts = apportion([members[label][0] for label in labels], cfg.estimator.num_tasks)
     groups, group_names = [], []
-    for name, count in zip(names, counts, strict=True):
-        family = families[name]
+    for label, count in zip(labels, counts, strict=True):
+        family, section = families[label], members[label][1]
         if isinstance(family, ParametricImageMLPFamily):
-            configs = family.sample_configs(cfg.seed, min(cfg.task.parametric_groups, count))
+            configs = family.sample_configs(cfg.seed, min(family.num_groups, count))
             sizes = apportion([1.0] * len(configs), count)
             groups += [
-                vectorized(family.family_of(c), n) for c, n in zip(configs, sizes, strict=True)
+                vectorized(training(family.family_of(c), section), n)
+                for c, n in zip(configs, sizes, strict=True)
             ]
-            group_names += [name] * len(configs)
+            group_names += [label] * len(configs)
         else:
-            groups.append(vectorized(family, count))
-            group_names.append(name)
+            groups.append(vectorized(training(family, section), count))
+            group_names.append(label)
     return MixtureTruncatedStep(groups, group_names)
 
 
@@ -93,7 +194,9 @@ def _meta_loss_split(cfg: Config) -> str | None:
 
 
 def build_estimator(cfg: Config) -> GradientEstimator:
-    return ESTIMATORS.build(cfg.estimator.kind, build_truncated_step(cfg), cfg)
+    return _build(
+        cfg.estimator, build_truncated_step(cfg), build_truncation_schedule(cfg.truncation)
+    )
 
 
 def learner_keys(config: Config) -> tuple[jax.Array, jax.Array]:

@@ -12,7 +12,6 @@ transformation (:func:`popmeta.core.learned_optimizers.as_optax`).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -65,9 +64,12 @@ def _popmeta_version() -> str:
         return "unknown"
 
 
-def _section(fields: Any, path: Path) -> LearnedOptimizerConfig:
+def _section(fields: Any, path: Path, search_path: list[str]) -> LearnedOptimizerConfig:
     try:
-        return config_from_dict({"learned_optimizer": fields}, source=str(path)).learned_optimizer
+        config = config_from_dict(
+            {"learned_optimizer": fields}, source=str(path), search_path=search_path
+        )
+        return config.learned_optimizer
     except ConfigError as err:
         raise ValueError(
             f"{path}: its learned optimizer is not one this popmeta can build ({err})"
@@ -93,7 +95,8 @@ def read_trained_optimizer(path: str | Path) -> TrainedOptimizer:
                 f"{header.get('popmeta_version', '?')}; this popmeta reads versions up to "
                 f"{FORMAT_VERSION}: upgrade popmeta to load it"
             )
-        section = _section(header.get("learned_optimizer"), path)
+        search_path = [*header.get("module_dirs", []), str(path.resolve().parent)]
+        section = _section(header.get("learned_optimizer"), path, search_path)
         lopt = build_learned_optimizer(section)
         template = {"theta": jax.eval_shape(lopt.init, jax.random.key(0))}
         try:
@@ -109,7 +112,12 @@ def read_trained_optimizer(path: str | Path) -> TrainedOptimizer:
             "checkpoint written by `popmeta train`"
         )
     config, theta = load_theta(path)  # a training checkpoint
-    source = {"run": config.name, "step": header["step"], "checkpoint": str(path)}
+    source = {
+        "run": config.name,
+        "step": header["step"],
+        "checkpoint": str(path),
+        "module_dirs": header.get("module_dirs", []),
+    }
     section = config.learned_optimizer
     return TrainedOptimizer(build_learned_optimizer(section), theta, section, source)
 
@@ -130,7 +138,8 @@ def export_optimizer(checkpoint: str | Path, out: str | Path) -> Path:
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "popmeta_version": _popmeta_version(),
-        "learned_optimizer": dataclasses.asdict(trained.config),
+        "learned_optimizer": {"kind": trained.config.kind, **trained.config.options},
+        "module_dirs": trained.source.get("module_dirs", []),
         "needs_num_steps": trained.lopt.needs_num_steps,
         "uses_loss": trained.lopt.uses_loss,
         "source": trained.source,

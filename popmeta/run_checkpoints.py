@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from popmeta.actors.worker import exported_state_template
-from popmeta.config import Config, config_to_dict
+from popmeta.config import Config, config_to_dict, module_dirs
 from popmeta.learner.checkpoints import (
     Checkpoint,
     CheckpointCorruptedError,
@@ -224,7 +224,11 @@ class RunCheckpoints:
             step,
             tree,
             keep=self.config.train.keep_checkpoints,
-            metadata={"config": config_to_dict(self.config), "worker_ranks": sorted(states)},
+            metadata={
+                "config": config_to_dict(self.config),
+                "module_dirs": module_dirs(self.config),
+                "worker_ranks": sorted(states),
+            },
             optional=(WORKERS,) if states else (),
         )
         self.saved_step = step

@@ -57,7 +57,7 @@ from typing import Any
 
 import yaml
 
-from popmeta.config import Config, config_from_dict, config_to_yaml
+from popmeta.config import Config, config_from_dict, config_to_dict, config_to_yaml
 from popmeta.learner.checkpoints import (
     checkpoint_step,
     list_checkpoints,
@@ -135,15 +135,14 @@ def _close_quietly(handle: Any) -> None:
 
 
 def _fields(config: Config) -> dict[str, Any]:
-    """Every field as ``section.field`` (or ``field`` at the top) -> value, from the schema."""
+    """Every field as ``section.field`` (or ``field`` at the top) -> value, a kind's fields too."""
     flat: dict[str, Any] = {}
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if dataclasses.is_dataclass(value):
-            for inner in dataclasses.fields(value):
-                flat[f"{field.name}.{inner.name}"] = getattr(value, inner.name)
+    for section, values in config_to_dict(config).items():
+        if isinstance(values, dict) and dataclasses.is_dataclass(getattr(config, section)):
+            for name, value in values.items():
+                flat[f"{section}.{name}"] = value
         else:
-            flat[field.name] = value
+            flat[section] = values
     return flat
 
 
@@ -154,10 +153,15 @@ def _safe(field: str) -> bool:
 def config_differences(recorded: Config, new: Config) -> list[str]:
     """``"field: old -> new"`` for each field that differs and is not safe to change."""
     old_fields, new_fields = _fields(recorded), _fields(new)
+    missing = object()
+
+    def shown(fields: dict[str, Any], name: str) -> str:
+        return repr(fields[name]) if name in fields else "(none)"
+
     return [
-        f"{name}: {old_fields[name]!r} -> {new_fields[name]!r}"
-        for name in sorted(old_fields)
-        if old_fields[name] != new_fields[name] and not _safe(name)
+        f"{name}: {shown(old_fields, name)} -> {shown(new_fields, name)}"
+        for name in sorted(set(old_fields) | set(new_fields))
+        if old_fields.get(name, missing) != new_fields.get(name, missing) and not _safe(name)
     ]
 
 
@@ -224,7 +228,7 @@ class RunDirectory:
             return None
         try:
             raw = yaml.safe_load(self.config_file.read_text(encoding="utf-8"))
-            return config_from_dict(raw, source=str(self.config_file))
+            return config_from_dict(raw, source=str(self.config_file), recorded=True)
         except (OSError, ValueError, yaml.YAMLError) as err:
             raise RunDirectoryError(
                 f"{self.config_file} cannot be read back as a popmeta config ({err}); "

@@ -12,7 +12,6 @@ the last good one.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -26,15 +25,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from popmeta.config import Config, ConfigError
-from popmeta.evaluate import PeriodicEvaluator, SettingReport, evaluate, settings_of
-from popmeta.experiment import build_task_family
+from popmeta.config import Config
+from popmeta.evaluate import (
+    BaselineCache,
+    PeriodicEvaluator,
+    SettingReport,
+    evaluate,
+    settings_of,
+)
+from popmeta.experiment import check_kinds
 from popmeta.footprint import check_memory
 from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Population
 from popmeta.population.local import LocalPopulation
-from popmeta.population.ray_population import RayPopulation
+from popmeta.population.ray_population import RayPopulation, job_runtime_env
 from popmeta.population.ray_runtime import start_ray_for
 from popmeta.run_checkpoints import RunCheckpoints
 from popmeta.run_dir import RunDirectory, RunWriteError
@@ -241,7 +246,8 @@ def open_population(
     elif config.population.engine == "local":
         runtime, factory = contextlib.nullcontext(), LocalPopulation
     else:
-        runtime, factory = start_ray_for(config.population), RayPopulation
+        runtime = start_ray_for(config.population, job_runtime_env(config))
+        factory = RayPopulation
     with runtime:
         population = factory(config)
         try:
@@ -319,7 +325,7 @@ def _start(
     stop: _StopSignals,
 ) -> RunResult:
     run.check_writable()
-    _check_task_data(config)
+    check_kinds(config)
     check_memory(config)
     with run.claim():
         if from_checkpoint is None:
@@ -358,24 +364,6 @@ def _start(
 def _newest_checkpoint(run: RunDirectory) -> Path | str | None:
     checkpoints = list_checkpoints(run.checkpoints)
     return run.location_of(checkpoints[-1]) if checkpoints else None
-
-
-def _check_task_data(config: Config) -> None:
-    """Builds every task family the config names once in the driver (the training one
-    and the evaluation's out-of-distribution ones): data files fail here, before any
-    actor starts."""
-    tasks = {"task": config.task}
-    for name, task in config.eval.out_of_distribution.items():
-        tasks[f"eval.out_of_distribution.{name}"] = task
-    for prefix, task in tasks.items():
-        for field, family in task.named_families():
-            try:
-                build_task_family(dataclasses.replace(task, family=family, families={}))
-            except (OSError, ValueError) as err:
-                # named_families() names fields of the training task section.
-                field = "task.npz_path" if task.npz_path is not None else field
-                where = prefix + field.removeprefix("task")
-                raise ConfigError(f"{where}: {err}") from None
 
 
 def _load_worker_states(population: Population, states: dict[int, Any], stream) -> None:
@@ -438,7 +426,9 @@ class _RunLoop:
         if not interrupted and config.eval.after_training:
             # Its progress goes where the training progress went (stderr), not into the results.
             theta = self.learner.theta()
-            evaluation = evaluate(config, theta, settings_of(config)[:1], stream=sys.stderr)
+            evaluation = evaluate(
+                config, theta, settings_of(config)[:1], sys.stderr, BaselineCache()
+            )
         return RunResult(
             run.location,
             self.learner.version,
@@ -461,7 +451,7 @@ class _RunLoop:
         learner, tcfg, stop = self.learner, self.config.train, self.stop
         stats = RoundStats(
             population.steps_per_estimate,
-            self.config.task.family,
+            self.config.task.kind,
             actors=self.config.population.engine == "ray",
         )
         interrupted = False

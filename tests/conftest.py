@@ -13,6 +13,7 @@ afterwards.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -26,6 +27,9 @@ apply_loopback_env()
 # A RAY_ADDRESS from the caller's shell would make "embedded" runs join a cluster.
 os.environ.pop("RAY_ADDRESS", None)
 # `ray` itself is imported where it is used: test runs without Ray skip its import.
+# Tuned baselines are cached per session, not in the user's ~/.cache.
+os.environ["POPMETA_CACHE_DIR"] = tempfile.mkdtemp(prefix="pm-cache-")
+atexit.register(shutil.rmtree, os.environ["POPMETA_CACHE_DIR"], True)
 
 #: Logical CPUs of the session instance: a few more than this 2-core machine
 #: has, so that tests with 3 one-CPU actors are scheduled at once.

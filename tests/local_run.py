@@ -14,9 +14,9 @@ def local_config(run_dir: Any, name: str = "ident", **sections: dict[str, Any]) 
     base: dict[str, Any] = {
         "name": name,
         "run_dir": str(run_dir),
-        "task": {"family": "fixed_dim_quadratic", "dim": 3},
+        "task": {"kind": "fixed_dim_quadratic", "dim": 3},
         "learned_optimizer": {"kind": "learnable_sgd"},
-        "truncation": {"length": 10},
+        "truncation": {"kind": "constant", "length": 10},
         "estimator": {"num_tasks": 2, "trunc_length": 5, "random_initial_iteration_offset": 10},
         "outer_optimizer": {"learning_rate": 0.01},
         "population": {"engine": "local"},
@@ -26,7 +26,10 @@ def local_config(run_dir: Any, name: str = "ident", **sections: dict[str, Any]) 
         "eval": {"num_tasks": 2, "num_steps": 5, "after_training": False},
     }
     for section, values in sections.items():
-        base[section] = {**base.get(section, {}), **values}
+        # Another kind brings fields of its own: the section is replaced, not merged.
+        known = base.get(section, {}).get("kind")
+        other_kind = "kind" in values and known is not None and values["kind"] != known
+        base[section] = dict(values) if other_kind else {**base.get(section, {}), **values}
     return config_from_dict(base)
 
 

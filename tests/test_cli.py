@@ -88,7 +88,8 @@ def test_train_meta_learns_and_keeps_the_terminal_clean(trained):
 def _mean_train_losses(stdout: str, setting: str) -> dict[str, float]:
     """Optimizer -> mean training loss, from the printed table of one setting."""
     block = stdout[stdout.index(f"{setting}:") :].split("\n\n")[0]
-    rows = re.findall(r"^  (\w+) +\S+ +(\S+) ± \S+", block, re.M)
+    # A row: name, lr, unstable tasks, then per metric "mean ± half-width | median | worst".
+    rows = re.findall(r"^  (\w+) +\S+ +\d+ +(\S+) ± \S+ \| ", block, re.M)
     return {name: float(value) for name, value in rows if name != "optimizer"}
 
 
@@ -172,7 +173,7 @@ def test_eval_compares_the_checkpoint_with_tuned_baselines(trained):
     run_dir = trained[0] / "runs" / "cli"
     newest = list_checkpoints(run_dir / "checkpoints")[-1]
     evaluated = popmeta(
-        "eval", str(newest), "--set", "eval.long_horizon_factor=2", tmp_path=trained[0]
+        "eval", str(newest), "--set", "eval.long_horizon_factors=[2]", tmp_path=trained[0]
     )
     assert evaluated.returncode == 0, evaluated.stderr
     for setting in ("trained horizon", "2x horizon"):
@@ -308,8 +309,8 @@ def test_validate_prints_the_resolved_config(capsys):
         (["estimator.kind=sgd"], ["estimator.kind"]),
         (["train.num_steps=-3"], ["train.num_steps"]),
         (
-            ["estimator.kind=full_es", "truncation.schedule=log_uniform"],
-            ["estimator.kind", "truncation.schedule"],
+            ["estimator.kind=full_es", "truncation.kind=log_uniform"],
+            ["estimator.kind", "truncation.kind"],
         ),
         (["population.engine=local", "population.mode=async"], ["population.mode"]),
     ],

@@ -31,12 +31,12 @@ def test_defaults():
     cfg = load_config(None)
     assert cfg == Config()
     assert cfg.name == "quickstart" and cfg.seed == 0 and cfg.run_dir == "runs"
-    assert cfg.task.family == "curved_quadratic" and cfg.task.npz_path is None
+    assert cfg.task.kind == "curved_quadratic" and cfg.task.options == {"dim": 10}
     assert cfg.learned_optimizer.kind == "mlp" and cfg.learned_optimizer.hidden_size == 32
-    assert cfg.truncation.schedule == "constant" and cfg.truncation.length == 100
+    assert cfg.truncation.kind == "constant" and cfg.truncation.length == 100
     assert cfg.estimator.kind == "pes" and cfg.estimator.std == 0.01
     assert cfg.estimator.sign_delta_loss_scalar is None
-    assert cfg.outer_optimizer.name == "adam" and cfg.outer_optimizer.clip_grad_norm == 3.0
+    assert cfg.outer_optimizer.kind == "adam" and cfg.outer_optimizer.clip_grad_norm == 3.0
     assert cfg.population.resources == {} and cfg.population.engine == "ray"
     assert cfg.train.num_steps == 20000 and cfg.eval.seed == 1234
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -52,11 +52,11 @@ def test_no_config_is_the_quickstart():
 def test_digits_config_names_what_the_readme_promises():
     """configs/digits_mlp.yaml: the README's result; a typo here would fail only after 18 minutes."""
     digits = load_config(Path(__file__).resolve().parents[1] / "configs" / "digits_mlp.yaml")
-    assert digits.name == "digits_mlp" and digits.task.family == "image_mlp_digits"
+    assert digits.name == "digits_mlp" and digits.task.kind == "image_mlp_digits"
     assert digits.learned_optimizer.kind == "mlp_adam"
     assert digits.estimator.meta_loss_split == "outer_valid"
-    assert digits.eval.long_horizon_factor == 5
-    assert {task.family for task in digits.eval.out_of_distribution.values()} == {
+    assert digits.eval.long_horizon_factors == (5,)
+    assert {task.kind for task in digits.eval.out_of_distribution.values()} == {
         "image_mlp_digits16",
         "image_mlp_digits4",
     }
@@ -69,7 +69,7 @@ def test_yaml_file_loads(tmp_path):
 name: run1
 seed: 3
 task:
-  family: image_mlp_npz
+  kind: image_mlp_npz
   npz_path: data/digits.npz
 estimator:
   kind: nres
@@ -88,8 +88,8 @@ train:
     )
     cfg = load_config(path)
     assert cfg.name == "run1" and cfg.seed == 3
-    assert cfg.task.family == "image_mlp_npz" and cfg.task.npz_path == "data/digits.npz"
-    assert cfg.estimator == EstimatorConfig(kind="nres", std=0.05, num_tasks=4)
+    assert cfg.task.kind == "image_mlp_npz" and cfg.task.npz_path == "data/digits.npz"
+    assert cfg.estimator == EstimatorConfig(kind="nres", options={"std": 0.05}, num_tasks=4)
     assert cfg.outer_optimizer.learning_rate == pytest.approx(1e-3)
     assert cfg.outer_optimizer.clip_grad_norm is None
     assert cfg.population.resources == {"TPU": 1.0}
@@ -105,13 +105,13 @@ def test_empty_file_and_empty_section_mean_defaults(tmp_path):
 
 
 def test_overrides(tmp_path):
-    path = _write(tmp_path, "task:\n  family: image_mlp_npz\n  npz_path: a.npz\n")
+    path = _write(tmp_path, "task:\n  kind: image_mlp_npz\n  npz_path: a.npz\n")
     cfg = load_config(
         path,
         [
             "estimator.std=0.02",
             "train.num_steps=5",
-            "task.family=fixed_dim_quadratic",
+            "task.kind=fixed_dim_quadratic",
             "task.npz_path=null",
             "population.pin_cpus=false",
             "outer_optimizer.learning_rate=3",
@@ -123,7 +123,7 @@ def test_overrides(tmp_path):
     )
     assert cfg.estimator.std == 0.02
     assert cfg.train.num_steps == 5 and isinstance(cfg.train.num_steps, int)
-    assert cfg.task.family == "fixed_dim_quadratic" and cfg.task.npz_path is None
+    assert cfg.task.kind == "fixed_dim_quadratic" and cfg.task.options == {"dim": 10}
     assert cfg.population.pin_cpus is False
     assert cfg.outer_optimizer.learning_rate == 3.0
     assert isinstance(cfg.outer_optimizer.learning_rate, float)
@@ -138,20 +138,20 @@ def test_overrides(tmp_path):
 
 
 def test_an_override_repairs_a_bad_value_of_the_file_and_errors_name_their_source(tmp_path):
-    path = _write(tmp_path, "task:\n  family: curvd_quadratic\n  dim: 3\n")
+    path = _write(tmp_path, "task:\n  kind: curvd_quadratic\n  dim: 3\n")
     with pytest.raises(ConfigError, match=rf"got 'curvd_quadratic' \(in {path}\)"):
         load_config(path)
-    assert load_config(path, ["task.family=curved_quadratic"]).task.family == "curved_quadratic"
+    assert load_config(path, ["task.kind=curved_quadratic"]).task.kind == "curved_quadratic"
     # A bad value from an override names the override; one left in the file, the file.
     with pytest.raises(
         ConfigError, match=r"task\.dim: expected int, got 'x' \(in --set task\.dim=x\)"
     ):
-        load_config(path, ["task.family=curved_quadratic", "task.dim=x"])
+        load_config(path, ["task.kind=curved_quadratic", "task.dim=x"])
     with pytest.raises(ConfigError, match=rf"'curvd_quadratic' \(in {path}\)"):
         load_config(path, ["task.dim=4"])
     # A section override replaces what an earlier override set inside it.
-    with pytest.raises(ConfigError, match=r"\(in --set task=\{dim: y, family: quadratic\}\)"):
-        load_config(path, ["task.dim=x", "task={dim: y, family: quadratic}"])
+    with pytest.raises(ConfigError, match=r"\(in --set task=\{dim: y, kind: quadratic\}\)"):
+        load_config(path, ["task.dim=x", "task={dim: y, kind: quadratic}"])
 
 
 def test_unknown_key_in_file_names_dotted_key_and_file(tmp_path):
@@ -160,7 +160,9 @@ def test_unknown_key_in_file_names_dotted_key_and_file(tmp_path):
         load_config(path)
     message = str(info.value)
     assert f"unknown config key 'estimator.stdd' in {path}" in message
-    assert "known keys:" in message and "estimator.std" in message
+    # In a section that names a kind, the kind's fields are the known ones too.
+    assert "not a field of estimator.kind='pes' (its fields: trunc_length, std," in message
+    assert "the section's: num_tasks," in message
     assert "did you mean 'estimator.std'" in message
 
     with pytest.raises(ConfigError, match=r"unknown config key 'bogus'.*known keys: name, seed"):
@@ -229,8 +231,7 @@ def test_bad_literal_lists_choices():
         ("estimator.clip_loss_diff=-1", "estimator.clip_loss_diff: must be > 0"),
         ("estimator.random_initial_iteration_offset=-1", "random_initial_iteration_offset"),
         ("task.dim=0", "task.dim: must be > 0"),
-        ("truncation.max_length=5", "truncation.max_length: must be >= truncation.min_length"),
-        ("learned_optimizer.initial_momentum=1.0", "learned_optimizer.initial_momentum"),
+        ("learned_optimizer.hidden_size=0", "learned_optimizer.hidden_size: must be > 0"),
         ("outer_optimizer.learning_rate=0", "outer_optimizer.learning_rate: must be > 0"),
         ("outer_optimizer.weight_decay=-1", "outer_optimizer.weight_decay: must be >= 0"),
         ("population.num_actors=0", "population.num_actors: must be > 0"),
@@ -247,6 +248,25 @@ def test_range_errors_name_field(override, field):
     assert field in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (
+            ["truncation.kind=log_uniform", "truncation.max_length=5"],
+            "truncation.max_length: must be >= truncation.min_length (10), got 5",
+        ),
+        (
+            ["learned_optimizer.kind=learnable_sgdm", "learned_optimizer.initial_momentum=1.0"],
+            "learned_optimizer.initial_momentum: must be < 1",
+        ),
+    ],
+)
+def test_a_kinds_own_ranges_and_rules_name_its_field(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert field in str(info.value)
+
+
 def test_compiled_graph_is_refused_outside_sync_mode():
     with pytest.raises(ConfigError, match=r"population\.compiled_graph: works in mode: sync only"):
         load_config(None, ["population.mode=async", "population.compiled_graph=true"])
@@ -255,15 +275,15 @@ def test_compiled_graph_is_refused_outside_sync_mode():
 
 def test_range_checks_apply_to_direct_construction():
     with pytest.raises(ConfigError, match=r"estimator\.std: must be > 0"):
-        Config(estimator=EstimatorConfig(std=0.0))
+        Config(estimator=EstimatorConfig(options={"std": 0.0}))
     with pytest.raises(ConfigError, match=r"train\.num_steps"):
         dataclasses.replace(Config(), train=dataclasses.replace(Config().train, num_steps=0))
 
 
 def test_npz_family_requires_npz_path(tmp_path):
-    with pytest.raises(ConfigError, match=r"task\.npz_path.*required.*image_mlp_npz"):
-        load_config(None, ["task.family=image_mlp_npz"])
-    path = _write(tmp_path, "task:\n  family: image_mlp_npz\n")
+    with pytest.raises(ConfigError, match=r"task\.npz_path: kind 'image_mlp_npz' needs it"):
+        load_config(None, ["task.kind=image_mlp_npz"])
+    path = _write(tmp_path, "task:\n  kind: image_mlp_npz\n")
     with pytest.raises(ConfigError, match=rf"task\.npz_path.*{re.escape(path.name)}"):
         load_config(path)
     assert load_config(path, ["task.npz_path=d.npz"]).task.npz_path == "d.npz"
@@ -311,11 +331,11 @@ def test_unreadable_or_non_mapping_yaml_names_file(tmp_path):
     ("overrides", "fields"),
     [
         (
-            ["estimator.kind=full_es", "truncation.schedule=log_uniform"],
-            ["estimator.kind", "truncation.schedule", "'log_uniform'"],
+            ["estimator.kind=full_es", "truncation.kind=log_uniform"],
+            ["estimator.kind", "truncation.kind: constant", "'log_uniform'"],
         ),
         (["estimator.kind=truncated_grad", "estimator.clip_loss_diff=1"], ["clip_loss_diff"]),
-        (["task.npz_path=x.npz"], ["task.npz_path", "image_mlp_npz"]),
+        (["task.npz_path=x.npz"], ["task.npz_path", "not a field of task.kind='curved_quadratic'"]),
         (["population.engine=local", "population.mode=async"], ["population.mode", "local"]),
         (["population.engine=local", "population.address=auto"], ["population.address"]),
         (["population.engine=local", "population.batch_size=4"], ["population.batch_size"]),
@@ -337,9 +357,9 @@ def test_cross_field_rules_fail_before_anything_starts(overrides, fields):
 def test_cross_field_rules_let_valid_combinations_through():
     local = load_config(None, ["population.engine=local", "population.num_actors=3"])
     assert local.population.num_actors == 3 and local.population.shard_tasks
-    full_es = load_config(None, ["estimator.kind=full_es", "truncation.schedule=constant"])
+    full_es = load_config(None, ["estimator.kind=full_es", "truncation.kind=constant"])
     assert full_es.estimator.kind == "full_es"
     per_node = load_config(None, ["population.one_actor_per_node_with=TPU"])
     assert per_node.population.one_actor_per_node_with == "TPU"
-    npz = load_config(None, ["task.family=image_mlp_npz", "task.npz_path=x.npz"])
+    npz = load_config(None, ["task.kind=image_mlp_npz", "task.npz_path=x.npz"])
     assert npz.task.npz_path == "x.npz"

@@ -3,28 +3,38 @@ the background evaluation during training."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 
 import jax
 import numpy as np
+import optax
 import pytest
 from scipy import stats
 
+from popmeta.config import ConfigError, config_from_dict
 from popmeta.core.evaluation import training_curves
+from popmeta.core.learned_optimizers import as_optax
+from popmeta.core.optimizers import OptaxOptimizer
 from popmeta.evaluate import (
     BASELINES,
+    CSV_COLUMNS,
     LEARNING_RATES,
+    BaselineCache,
     PeriodicEvaluator,
+    TaskScores,
     compare,
     evaluate,
     format_reports,
     paired_interval,
     settings_of,
     t_quantile_975,
+    tune_baseline,
     write_reports,
 )
-from popmeta.experiment import build_task_family, initial_theta
+from popmeta.evaluate.runs import learned_optimizer_run
+from popmeta.experiment import build_learned_optimizer, build_task_family, initial_theta
 from popmeta.run_loop import train
 from popmeta.summaries import Summaries
 from tests.events import read_scalars
@@ -57,13 +67,11 @@ def test_the_paired_interval_covers_the_true_difference_95_percent_of_the_time()
     assert 0.94 <= covered / trials <= 0.96
 
 
-def _scores(train_losses, accuracy=None):
-    from popmeta.evaluate import TaskScores
-
+def _scores(train_losses, accuracy=None, initial=None):
     train_losses = np.asarray(train_losses, np.float64)
     curve = train_losses[:, None]
     acc = None if accuracy is None else np.asarray(accuracy, np.float64)
-    return TaskScores(train_losses, train_losses, acc, curve, curve)
+    return TaskScores(train_losses, train_losses, acc, curve, curve, initial)
 
 
 def test_verdicts_come_from_the_interval_and_respect_each_metric_direction():
@@ -91,15 +99,40 @@ def test_a_diverged_task_decides_against_the_side_that_diverged():
     assert compare(_scores(base), _scores(diverged), "sgd")[0].verdict == "WIN"
 
 
-def _eval_config(tmp_path, **eval_section):
-    return local_config(
-        tmp_path,
-        task={"family": "fixed_dim_quadratic_data", "dim": 4},
-        eval={"num_tasks": 6, "num_steps": 12, "long_horizon_factor": 2, **eval_section},
+def test_a_task_that_ends_above_its_start_makes_the_setting_unstable_and_a_loss():
+    base = np.linspace(1.0, 2.0, 32)
+    start = np.full(32, 2.5)
+    good = base - 0.5
+    assert (
+        compare(_scores(good, initial=start), _scores(base, initial=start), "adam")[0].verdict
+        == "WIN"
+    )
+    # One task of 32 blows up (to 40, not infinity): the mean still "wins" or ties, the
+    # setting does not.
+    blown = good.copy()
+    blown[7] = 40.0
+    comparison = compare(_scores(blown, initial=start), _scores(base, initial=start), "adam")[0]
+    assert (comparison.verdict, comparison.unstable) == ("LOSS", 1)
+    assert comparison.label == "LOSS (unstable 1)"
+    nan_task = good.copy()
+    nan_task[3] = np.inf
+    assert _scores(nan_task, initial=start).unstable_tasks == 1
+    # Only the learned optimizer's blow-ups make a setting unstable.
+    assert (
+        compare(_scores(good, initial=start), _scores(blown, initial=start), "adam")[0].unstable
+        == 0
     )
 
 
-OOD = {"digits": {"family": "image_mlp_digits"}}
+def _eval_config(tmp_path, **eval_section):
+    return local_config(
+        tmp_path,
+        task={"kind": "fixed_dim_quadratic_data", "dim": 4},
+        eval={"num_tasks": 6, "num_steps": 12, "long_horizon_factors": [2], **eval_section},
+    )
+
+
+OOD = {"digits": {"kind": "image_mlp_digits"}}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +140,7 @@ def evaluated(tmp_path_factory):
     """The trained horizon and an out-of-distribution setting, evaluated once for the module."""
     # The long horizon is evaluated by the CLI test; two settings keep this one short.
     tmp_path = tmp_path_factory.mktemp("eval")
-    config = _eval_config(tmp_path, out_of_distribution=OOD, long_horizon_factor=0)
+    config = _eval_config(tmp_path, out_of_distribution=OOD, long_horizon_factors=[])
     progress = io.StringIO()
     reports = evaluate(config, initial_theta(config), stream=progress)
     return config, reports, progress.getvalue()
@@ -155,6 +188,7 @@ def test_every_setting_is_reported_and_written(evaluated, tmp_path):
         ("digits", 12),
     ]
     assert progress.count("\n") == 2 * (2 + len(BASELINES))
+    assert all(r.scores["learned"].initial_test_loss is not None for r in reports)
     assert [r.setting.name for r in reports] == ["trained horizon", "digits"]
     digits = reports[1]
     # Labels give an accuracy, and its comparison; the quadratics have none.
@@ -163,12 +197,27 @@ def test_every_setting_is_reported_and_written(evaluated, tmp_path):
     assert reports[0].scores["adam"].final_test_accuracy is None
     text = format_reports(reports)
     assert "digits: image_mlp_digits, 12 inner steps, 6 held-out tasks" in text
+    assert "median | worst task" in text and "unstable" in text
+    # Each row shows the mean, the median and the worst task, which is the highest loss.
+    adam = digits.scores["adam"]
+    worst = float(np.max(adam.final_test_loss))
+    row = next(line for line in text.splitlines()[1 + len(digits.scores) + 8 :] if "adam " in line)
+    assert f"{np.median(adam.final_test_loss):.4g} | {worst:.4g}" in row
     written = write_reports(reports, tmp_path / "eval", "title")
     assert (tmp_path / "eval" / "curves.png").stat().st_size > 10_000
     assert written.csv.endswith("results.csv")
     lines = (tmp_path / "eval" / "results.csv").read_text().splitlines()
     # Header, then (optimizers x metrics) rows per setting; digits has accuracy too.
     assert len(lines) == 1 + 6 * 2 + 6 * 3
+    assert lines[0].split(",") == list(CSV_COLUMNS)
+    adam_accuracy = next(
+        line.split(",")
+        for line in lines
+        if line.startswith("digits,") and ",adam," in line and "final_test_accuracy" in line
+    )
+    row = dict(zip(CSV_COLUMNS, adam_accuracy, strict=True))
+    assert float(row["worst"]) == pytest.approx(float(np.min(adam.final_test_accuracy)))
+    assert int(row["unstable_tasks"]) == adam.unstable_tasks
     scalars = read_scalars(tmp_path / "eval" / "digits" / "learned")
     assert [s for s, _ in scalars["eval/test_loss"]] == list(range(12))
 
@@ -205,3 +254,92 @@ def test_a_run_with_eval_every_logs_evaluations_under_eval(tmp_path):
     steps = [s for s, _ in read_scalars(tmp_path / "periodic")["eval/mean_train_loss"]]
     # Skipped while one runs, never queued; the last one is waited for at the end.
     assert steps and set(steps) <= {4, 8, 12} and steps == sorted(steps)
+
+
+def test_each_training_family_of_a_mixture_gets_every_horizon(tmp_path):
+    config = _eval_config(
+        tmp_path,
+        long_horizon_factors=[3, 10],
+        each_training_family=True,
+        out_of_distribution=OOD,
+        optax_cosine=True,
+    )
+    config = dataclasses.replace(
+        config,
+        task=config_from_dict(
+            {"task": {"kind": "quadratic", "mixture": {"quadratic": 1, "curved_quadratic": 1}}}
+        ).task,
+    )
+    assert [(s.name, s.task.kind, s.num_steps) for s in settings_of(config)] == [
+        ("quadratic: trained horizon", "quadratic", 12),
+        ("quadratic: 3x horizon", "quadratic", 36),
+        ("quadratic: 10x horizon", "quadratic", 120),
+        ("curved_quadratic: trained horizon", "curved_quadratic", 12),
+        ("curved_quadratic: 3x horizon", "curved_quadratic", 36),
+        ("curved_quadratic: 10x horizon", "curved_quadratic", 120),
+        ("digits", "image_mlp_digits", 12),
+        ("trained horizon, through optax with cosine decay", "quadratic", 12),
+    ]
+    assert [s.through_optax_cosine for s in settings_of(config)] == [False] * 7 + [True]
+    with pytest.raises(ConfigError, match=r"eval\.long_horizon_factors\[1\]: must be > 1"):
+        config_from_dict({"eval": {"long_horizon_factors": [5, 1]}})
+
+
+def test_coarse_to_fine_tuning_chooses_the_full_grids_learning_rate():
+    """On the digits MLP at 40 steps, every baseline: 12 runs choose what 21 do."""
+    family = build_task_family(local_config("runs", task={"kind": "image_mlp_digits"}).task)
+    for name, make in BASELINES.items():
+        full = tune_baseline(family, make, 4, 40, seed=3, tuning="full")
+        coarse = tune_baseline(family, make, 4, 40, seed=3, tuning="coarse_to_fine")
+        assert coarse.learning_rate == full.learning_rate, name
+        np.testing.assert_array_equal(coarse.scores.train_curve, full.scores.train_curve)
+
+
+def test_a_second_evaluation_reads_the_tuned_baselines_from_the_cache(tmp_path, monkeypatch):
+    config = _eval_config(tmp_path, long_horizon_factors=[])
+    cache = BaselineCache(tmp_path / "cache")
+    first = evaluate(config, initial_theta(config), baseline_cache=cache)
+    entries = sorted((tmp_path / "cache").iterdir())
+    assert len(entries) == len(BASELINES)
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("a cached baseline was tuned again")
+
+    monkeypatch.setattr("popmeta.evaluate.baselines.tune_baseline", no_tuning)
+    second = evaluate(config, initial_theta(config), baseline_cache=cache)
+    for name in BASELINES:
+        assert second[0].learning_rates[name] == first[0].learning_rates[name]
+        for a, b in zip(second[0].scores[name], first[0].scores[name], strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert [c.verdict for c in second[0].comparisons] == [c.verdict for c in first[0].comparisons]
+    # Another horizon is another entry; refresh and a damaged entry tune again.
+    with pytest.raises(AssertionError, match="tuned again"):
+        evaluate(
+            config,
+            initial_theta(config),
+            [settings_of(config)[0]._replace(num_steps=13)],
+            baseline_cache=cache,
+        )
+    with pytest.raises(AssertionError, match="tuned again"):
+        evaluate(config, initial_theta(config), baseline_cache=BaselineCache(cache.folder, True))
+    entries[0].write_bytes(b"not an npz")
+    with pytest.raises(AssertionError, match="tuned again"):
+        evaluate(config, initial_theta(config), baseline_cache=cache)
+
+
+def test_the_optax_cosine_setting_runs_the_exported_optimizer_under_cosine_decay(tmp_path):
+    config = local_config(
+        tmp_path,
+        learned_optimizer={"kind": "normalized_mlp", "initial_lr": 0.05, "hidden_size": 4},
+        eval={"num_tasks": 3, "num_steps": 10, "optax_cosine": True, "long_horizon_factors": []},
+    )
+    plain, composed = settings_of(config)
+    theta = initial_theta(config)
+    lopt = build_learned_optimizer(config.learned_optimizer)
+    cosine = optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, 10))
+    by_hand = OptaxOptimizer(optax.chain(as_optax(lopt, theta, num_steps=10), cosine))
+    family = build_task_family(config.task)
+    expected = training_curves(family, by_hand, jax.random.key(config.eval.seed), 3, 10)
+    got = learned_optimizer_run(config, composed)(theta)
+    np.testing.assert_allclose(got.train_loss, expected.train_loss, rtol=1e-6)
+    assert not np.allclose(got.train_loss, learned_optimizer_run(config, plain)(theta).train_loss)

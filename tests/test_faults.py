@@ -429,9 +429,7 @@ def test_the_cli_exits_with_one_paragraph_naming_the_file_and_the_way_on(tmp_pat
 def test_a_data_file_without_the_expected_arrays_is_refused_before_anything_starts(tmp_path):
     data = tmp_path / "digits.npz"
     np.savez(data, images=np.zeros((10, 5, 5), np.float32), labels=np.zeros(10, np.int32))
-    config = local_config(
-        tmp_path / "runs", task={"family": "image_mlp_npz", "npz_path": str(data)}
-    )
+    config = local_config(tmp_path / "runs", task={"kind": "image_mlp_npz", "npz_path": str(data)})
 
     with pytest.raises(ConfigError, match=r"task\.npz_path: .*digits\.npz: key 'images' has"):
         train(config, no_population, stream=io.StringIO())
@@ -444,14 +442,14 @@ def test_a_data_file_without_the_expected_arrays_is_refused_before_anything_star
         (
             {
                 "task": {
-                    "family": "image_mlp_digits",
-                    "families": {"image_mlp_digits": 1.0, "image_mlp_npz": 1.0},
+                    "kind": "image_mlp_digits",
+                    "mixture": {"image_mlp_digits": 1.0, "image_mlp_npz": {"npz_path": None}},
                 }
             },
-            "task.npz_path",
+            "task.mixture.image_mlp_npz.npz_path",
         ),
         (
-            {"eval": {"out_of_distribution": {"mine": {"family": "image_mlp_npz"}}}},
+            {"eval": {"out_of_distribution": {"mine": {"kind": "image_mlp_npz"}}}},
             "eval.out_of_distribution.mine.npz_path",
         ),
     ],
@@ -462,8 +460,10 @@ def test_every_data_file_the_config_names_is_checked_before_anything_starts(
 ):
     missing = str(tmp_path / "missing.npz")
     for section in sections.values():
-        target = section if "family" in section else section["out_of_distribution"]["mine"]
-        target["npz_path"] = missing
+        if "mixture" in section:
+            section["mixture"]["image_mlp_npz"]["npz_path"] = missing
+        else:
+            section["out_of_distribution"]["mine"]["npz_path"] = missing
     config = local_config(tmp_path / "runs", **sections)
 
     with pytest.raises(ConfigError, match=rf"{re.escape(field)}: .*missing\.npz"):

@@ -42,6 +42,7 @@ import pytest
 from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.population.ray_runtime import LOOPBACK_ENV
 from tests.events import read_scalars
+from tests.user_kinds import USER_KINDS
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -65,7 +66,7 @@ STEPS = 20
 TRAIN_OVERRIDES = [
     "name=job",
     "population.num_actors=1",
-    "task.family=fixed_dim_quadratic",
+    "task.kind=fixed_dim_quadratic",
     "task.dim=4",
     "learned_optimizer.kind=learnable_sgdm",
     "estimator.num_tasks=2",
@@ -304,6 +305,48 @@ def test_the_job_wrote_checkpoints_and_events_where_it_was_told(submitted):
     scalars = read_scalars(run)
     assert [step for step, _ in scalars["meta_loss"]] == list(range(5, STEPS + 1, 5))
     assert (run / "config.yaml").exists()
+
+
+USER_RUN = """
+name: user-job
+task: {kind: "job_kinds:noisy_targets", dim: 3}
+learned_optimizer: {kind: "job_kinds:LogLrSGD", initial_lr: 0.05}
+truncation: {kind: constant, length: 20}
+estimator: {kind: pes, trunc_length: 5, num_tasks: 2, random_initial_iteration_offset: 20}
+population: {num_actors: 1, call_timeout_s: 60}
+train: {num_steps: 10, checkpoint_every: 10, log_every: 5}
+eval: {num_tasks: 2, num_steps: 5, after_training: false}
+"""
+
+
+@pytest.fixture(scope="module")
+def user_job(head, tmp_path_factory):
+    """A job whose kinds live in a module of its ``--working-dir`` only."""
+    work = tmp_path_factory.mktemp("work")
+    (work / "job_kinds.py").write_text(USER_KINDS)
+    (work / "run.yaml").write_text(USER_RUN)
+    run_dir = tmp_path_factory.mktemp("user-job") / "runs"
+    train = [*POPMETA, "train", "run.yaml", "--address", "auto", "--set", f"run_dir={run_dir}"]
+    result = subprocess.run(
+        [
+            *RAY_CLI,
+            *("job", "submit", "--address", head.dashboard, "--working-dir", str(work)),
+            *("--", *train),
+        ],
+        env=head.env,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    return result, run_dir / "user-job"
+
+
+def test_a_jobs_working_dir_carries_a_users_module_to_the_driver_and_the_actors(head, user_job):
+    result, run = user_job
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{output}\n--- head log ---\n{head.log()}"
+    assert "step 10/10" in output and "job_kinds:LogLrSGD on job_kinds:noisy_targets" in output
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["ckpt_00000010.npz"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="lists processes via /proc")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from pathlib import Path
 
 import jax
@@ -34,7 +32,6 @@ from popmeta.experiment import (
 )
 from popmeta.learner.train_state import make_outer_optimizer
 from popmeta.registry import (
-    DATA_FREE_TASK_FAMILIES,
     ESTIMATORS,
     LEARNED_OPTIMIZERS,
     OUTER_OPTIMIZERS,
@@ -47,41 +44,55 @@ from popmeta.registry import (
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "kinds.md"
 
-#: (registry, config section class, field) for every kind field of the config.
-KIND_FIELDS = [
-    (TASK_FAMILIES, TaskConfig, "family"),
-    (LEARNED_OPTIMIZERS, LearnedOptimizerConfig, "kind"),
-    (TRUNCATION_SCHEDULES, TruncationConfig, "schedule"),
-    (ESTIMATORS, EstimatorConfig, "kind"),
-    (OUTER_OPTIMIZERS, OuterOptimizerConfig, "name"),
+#: (registry, config section class) for every section that names a kind.
+KIND_SECTIONS = [
+    (TASK_FAMILIES, TaskConfig),
+    (LEARNED_OPTIMIZERS, LearnedOptimizerConfig),
+    (TRUNCATION_SCHEDULES, TruncationConfig),
+    (ESTIMATORS, EstimatorConfig),
+    (OUTER_OPTIMIZERS, OuterOptimizerConfig),
 ]
 
 
-@pytest.mark.parametrize(("registry", "section", "field"), KIND_FIELDS)
-def test_config_accepts_exactly_the_registered_names(registry, section, field):
-    accepted = typing.get_args(typing.get_type_hints(section)[field])
-    assert accepted == registry.names and len(accepted) >= 3
-    section_name = registry.field.split(".")[0]
-    assert registry.field == f"{section_name}.{field}"
-    for name in registry.names:
-        config_from_dict({section_name: {field: name}} | _needs(section_name, name))
-    with pytest.raises(ConfigError, match=rf"{registry.field}: expected one of .*'nope'"):
-        config_from_dict({section_name: {field: "nope"}})
-
-
 def _needs(section: str, name: str) -> dict:
-    """Other fields a kind requires, so that each name alone forms a valid config."""
+    """Fields a kind requires, so that each name alone forms a valid section."""
     if (section, name) == ("task", "image_mlp_npz"):
-        return {"task": {"family": name, "npz_path": "digits.npz"}}
+        return {"npz_path": "digits.npz"}
     return {}
 
 
-def test_every_registry_is_covered_and_documented():
-    assert {id(r) for r, _, _ in KIND_FIELDS} == {id(r) for r in REGISTRIES}
+@pytest.mark.parametrize(("registry", "section"), KIND_SECTIONS)
+def test_every_section_names_its_kind_with_kind_and_takes_exactly_the_registered_names(
+    registry, section
+):
+    assert section.REGISTRY is registry and registry.field == f"{registry.section}.kind"
+    assert len(registry.names) >= 3
+    for name in registry.names:
+        config = config_from_dict(
+            {registry.section: {"kind": name, **_needs(registry.section, name)}}
+        )
+        assert getattr(config, registry.section).kind == name
+    with pytest.raises(ConfigError, match=rf"{registry.field}: expected one of .*got 'nope'"):
+        config_from_dict({registry.section: {"kind": "nope"}})
+
+
+def test_the_schema_names_no_kind():
+    schema = (Path(__file__).resolve().parents[1] / "popmeta" / "config" / "schema.py").read_text()
+    for registry in REGISTRIES:
+        for name in registry.names:
+            default = {"curved_quadratic", "mlp", "constant", "pes", "adam"}
+            if name not in default:  # the sections' defaults are the quickstart's kinds
+                assert f'"{name}"' not in schema and f"'{name}'" not in schema, name
+
+
+def test_every_registry_is_covered_and_documented_with_each_kinds_fields():
+    assert {id(r) for r, _ in KIND_SECTIONS} == {id(r) for r in REGISTRIES}
     assert DOCS.read_text() == render_markdown(), "regenerate with: popmeta kinds > docs/kinds.md"
     for registry in REGISTRIES:
-        for entry in registry:
-            assert f"| `{entry.name}` | {entry.summary} |" in DOCS.read_text()
+        for kind in registry:
+            assert f"| `{kind.name}` | {kind.summary} |" in DOCS.read_text()
+            for field in kind.fields:
+                assert f"`{field.signature()}`" in DOCS.read_text(), (kind.name, field.name)
 
 
 def test_popmeta_kinds_prints_the_docs(capsys):
@@ -96,10 +107,17 @@ def _npz(tmp_path) -> str:
     return str(path)
 
 
+def _task(name: str, tmp_path) -> TaskConfig:
+    kind = TASK_FAMILIES.resolve(name)
+    options = {"dim": 3} if kind.field("dim") else {}
+    if name == "image_mlp_npz":
+        options["npz_path"] = _npz(tmp_path)
+    return TaskConfig(kind=name, options=options)
+
+
 def test_every_task_family_builds_and_samples_a_task(tmp_path):
     for name in TASK_FAMILIES.names:
-        npz_path = _npz(tmp_path) if name == "image_mlp_npz" else None
-        family = build_task_family(TaskConfig(family=name, dim=3, npz_path=npz_path))
+        family = build_task_family(_task(name, tmp_path))
         assert isinstance(family, TaskFamily), name
         task = family.task_fn(family.sample(jax.random.key(0)))
         params = task.init(jax.random.key(1))
@@ -107,12 +125,10 @@ def test_every_task_family_builds_and_samples_a_task(tmp_path):
 
 
 def test_data_free_families_are_exactly_those_without_data(tmp_path):
-    npz_path = _npz(tmp_path)
     for name in TASK_FAMILIES.names:
-        family = build_task_family(
-            TaskConfig(family=name, dim=3, npz_path=npz_path if name == "image_mlp_npz" else None)
-        )
-        assert (family.datasets is None) == (name in DATA_FREE_TASK_FAMILIES), name
+        family = build_task_family(_task(name, tmp_path))
+        data_free = TASK_FAMILIES.resolve(name).traits.get("data_free", False)
+        assert (family.datasets is None) == data_free, name
 
 
 def test_every_learned_optimizer_and_schedule_builds():
@@ -121,17 +137,18 @@ def test_every_learned_optimizer_and_schedule_builds():
         assert isinstance(lopt, LearnedOptimizer), name
         assert jax.tree_util.tree_leaves(lopt.init(jax.random.key(0))), name
     for name in TRUNCATION_SCHEDULES.names:
-        schedule = build_truncation_schedule(TruncationConfig(schedule=name))
+        schedule = build_truncation_schedule(TruncationConfig(kind=name))
         assert isinstance(schedule, TruncationSchedule), name
 
 
 def test_every_estimator_builds_on_the_configured_step():
     for name in ESTIMATORS.names:
+        options = {} if name == "full_es" else {"trunc_length": 4}
         config = Config(
-            task=TaskConfig(family="fixed_dim_quadratic", dim=3),
+            task=TaskConfig(kind="fixed_dim_quadratic", options={"dim": 3}),
             learned_optimizer=LearnedOptimizerConfig(kind="learnable_sgd"),
-            truncation=TruncationConfig(length=12),
-            estimator=EstimatorConfig(kind=name, num_tasks=2, trunc_length=4),
+            truncation=TruncationConfig(options={"length": 12}),
+            estimator=EstimatorConfig(kind=name, options=options, num_tasks=2),
         )
         estimator = build_estimator(config)
         assert isinstance(estimator, GradientEstimator), name
@@ -144,7 +161,7 @@ def test_every_outer_optimizer_keeps_the_chain_layout():
     params = {"w": np.ones(3, np.float32)}
     for name in OUTER_OPTIMIZERS.names:
         for clip in (None, 1.0):
-            tx = make_outer_optimizer(name, 0.1, clip_grad_norm=clip, weight_decay=0.01)
+            tx = make_outer_optimizer(name, clip, learning_rate=0.1, weight_decay=0.01)
             state = tx.init(params)
             # One chain: [clip,] [L2 decay,] optimizer: never a nested chain.
             expected = (clip is not None) + (name != "adamw") + 1
@@ -155,14 +172,31 @@ def test_every_outer_optimizer_keeps_the_chain_layout():
 
 def test_unknown_names_fail_naming_the_field_and_the_choices():
     with pytest.raises(ValueError, match=r"estimator\.kind: expected one of 'pes'.*got 'pez'"):
-        ESTIMATORS.build("pez")
-    with pytest.raises(ValueError, match="expected one of"):
-        build_task_family(dataclasses.replace(TaskConfig(), family="nope"))
+        ESTIMATORS.resolve("pez")
+    with pytest.raises(ConfigError, match="expected one of"):
+        build_task_family(TaskConfig(kind="nope"))
 
 
-def test_a_name_registers_once():
-    registry: Registry[int] = Registry("x.kind", "Xs", "nothing")
+def test_a_name_registers_once_and_a_users_kind_takes_no_built_in_name():
+    registry: Registry[int] = Registry("x", "Xs", "an int", returns=int)
     registry.register("a", "first")(lambda: 1)
     with pytest.raises(ValueError, match="registered twice"):
         registry.register("a", "again")(lambda: 2)
-    assert registry.build("a") == 1 and registry.names == ("a",) and "a" in registry
+    assert registry.resolve("a").build() == 1 and registry.names == ("a",) and "a" in registry
+
+    def mine(width: int = 3) -> int:
+        """My kind."""
+        return width
+
+    with pytest.raises(ValueError, match="'a' is a built-in kind"):
+        registry.register_user_kind(mine, "a")
+    kind = registry.register_user_kind(mine)
+    assert (kind.name, kind.summary, [f.signature() for f in kind.fields]) == (
+        "mine",
+        "My kind.",
+        ["width: int = 3"],
+    )
+    # Registered again (a notebook cell run twice): the newest definition wins.
+    registry.register_user_kind(lambda width=4: width, "mine")
+    assert registry.resolve("mine").build() == 4
+    assert [k.name for k in registry] == ["a"]  # the docs list the built-in kinds

@@ -100,7 +100,7 @@ def test_a_second_live_run_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
 
 def test_a_start_that_fails_leaves_nothing_behind(tmp_path):
     missing = _config(
-        tmp_path, task={"family": "image_mlp_npz", "npz_path": str(tmp_path / "none.npz")}
+        tmp_path, task={"kind": "image_mlp_npz", "npz_path": str(tmp_path / "none.npz")}
     )
     with pytest.raises(ConfigError, match=r"task\.npz_path: .*none\.npz"):
         train(missing, no_population, stream=io.StringIO())
@@ -109,7 +109,7 @@ def test_a_start_that_fails_leaves_nothing_behind(tmp_path):
     with pytest.raises(ConfigError, match=r"task\.npz_path: .*bad\.npz"):
         train(
             dataclasses.replace(
-                missing, task=dataclasses.replace(missing.task, npz_path=str(not_npz))
+                missing, task=dataclasses.replace(missing.task, options={"npz_path": str(not_npz)})
             ),
             no_population,
         )

@@ -63,6 +63,13 @@ def run_python_blocks(text: str, source: str) -> dict[str, Any]:
     return namespace
 
 
+def run_doc_in(path: Path, cwd: Path) -> dict[str, Any]:
+    """The python blocks of the markdown page ``path``, run with ``cwd`` as the directory."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        return run_python_blocks(path.read_text(encoding="utf-8"), str(path))
+
+
 @pytest.fixture(scope="module")
 def tutorial() -> dict[str, Any]:
     return run_python_blocks(TUTORIAL.read_text(encoding="utf-8"), str(TUTORIAL))

@@ -10,7 +10,7 @@ import pytest
 
 from popmeta.export import FORMAT
 from popmeta.learner.checkpoints import read_checkpoint_metadata
-from tests.test_tutorial import code_blocks, run_python_blocks
+from tests.test_tutorial import code_blocks, run_doc_in
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "using-a-learned-optimizer.md"
 
@@ -19,9 +19,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "using-a-learned-optimizer.
 def doc(tmp_path_factory) -> dict[str, Any]:
     """The namespace after every python block, run in a fresh directory."""
     cwd = tmp_path_factory.mktemp("doc")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(cwd)
-        namespace = run_python_blocks(DOC.read_text(encoding="utf-8"), str(DOC))
+    namespace = run_doc_in(DOC, cwd)
     namespace["cwd"] = cwd
     return namespace
 

@@ -187,7 +187,10 @@ class EstimatorActor:
     """One estimator worker in its own process.
 
     Args:
-      config: the run's config; the worker builds everything from it.
+      config: the run's config, pickled (``ray.cloudpickle``); the worker
+        builds everything from it. Unpickled by the constructor, so that a
+        module of the user's the actor cannot import is reported like any
+        other failure to build (see :class:`ActorBuildError`).
       rank: the worker's rank (fixes its keys with ``config.seed``).
       restart: how many times this rank has been replaced; a replacement gets
         fresh keys, so its inner problems restart at new random offsets.
@@ -204,7 +207,7 @@ class EstimatorActor:
 
     def __init__(
         self,
-        config: Config,
+        config: bytes,
         rank: int,
         restart: int = 0,
         pin_cpus: Sequence[int] | None = None,
@@ -213,7 +216,7 @@ class EstimatorActor:
         self.restart = restart
         self._build_error: BaseException | None = None
         try:
-            self._build(config, pin_cpus)
+            self._build(ray.cloudpickle.loads(config), pin_cpus)
         except Exception as err:
             self._build_error = err
 

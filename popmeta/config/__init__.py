@@ -1,4 +1,5 @@
-"""The typed run configuration: schema and rules (:mod:`.schema`), reading (:mod:`.loading`).
+"""The typed run configuration: values (:mod:`.values`), schema and rules (:mod:`.schema`),
+reading (:mod:`.loading`).
 
 Example::
 
@@ -8,26 +9,39 @@ Example::
     cfg.estimator.std  # 0.02
 """
 
-from popmeta.config.loading import config_from_dict, config_to_dict, config_to_yaml, load_config
+from popmeta.config.loading import (
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+    module_dirs,
+    upgrade_recorded,
+)
 from popmeta.config.schema import (
+    KIND_SECTIONS,
     Config,
-    ConfigError,
     EstimatorConfig,
     EvalConfig,
+    KindSection,
     LearnedOptimizerConfig,
+    MixtureMember,
     OuterOptimizerConfig,
     PopulationConfig,
     TaskConfig,
     TrainConfig,
     TruncationConfig,
 )
+from popmeta.config.values import ConfigError
 
 __all__ = [
+    "KIND_SECTIONS",
     "Config",
     "ConfigError",
     "EstimatorConfig",
     "EvalConfig",
+    "KindSection",
     "LearnedOptimizerConfig",
+    "MixtureMember",
     "OuterOptimizerConfig",
     "PopulationConfig",
     "TaskConfig",
@@ -37,4 +51,6 @@ __all__ = [
     "config_to_dict",
     "config_to_yaml",
     "load_config",
+    "module_dirs",
+    "upgrade_recorded",
 ]

@@ -1,4 +1,4 @@
-"""Reading configs: YAML files, ``--set`` overrides, type checks against the schema.
+"""Reading configs: YAML files, ``--set`` overrides, type checks against the schema and the kinds.
 
 A config is built from a YAML file plus ``--set a.b=value`` overrides, and
 checked before any actor starts. The overrides apply to the file's values
@@ -6,19 +6,25 @@ before anything is checked, so ``--set`` can repair a bad value in a file;
 an error names the override that set the field, else the file:
 
 * unknown keys fail naming the full dotted key and listing the known ones;
+  in a section that names a kind, the kind's fields are the known ones too;
 * wrong types fail naming the field, the expected type and the value;
-* ``Literal`` fields list the allowed values; ``X | None`` fields accept null;
-* then the schema's own range and cross-field rules run
+* a kind that cannot be found or imported fails naming ``<section>.kind``;
+* then the schema's ranges, the kinds' rules and the cross-field rules run
   (:mod:`popmeta.config.schema`).
 
 Override values are parsed with ``yaml.safe_load`` (``0.02`` is a float, ``5``
 an int, ``null`` is None, ``true`` a bool, ``{TPU: 1}`` a mapping) and then
-type-checked exactly like file values. Two conveniences on top of that:
+checked exactly like file values; for a field that expects a string,
+``--set name=2024`` keeps the text ``"2024"``. Null for a field the section's
+kind does not have removes it, so ``--set task.kind=quadratic --set
+task.npz_path=null`` switches away from a kind with other fields. Field names of older popmeta
+versions (``task.family``, ``truncation.schedule``, ...) fail naming the new
+one, except in configs popmeta recorded itself (a run's ``config.yaml``, a
+checkpoint's), which :func:`upgrade_recorded` translates.
 
-* a float field accepts an int, and a string in exponent notation such as
-  ``1e-3`` (YAML 1.1, which PyYAML implements, reads ``1e-3`` as a string);
-* for a field that expects a string, ``--set name=2024`` keeps the text
-  ``"2024"`` instead of failing because YAML read an int.
+Import paths ``module:attribute`` are imported as they are, else from the
+config file's directory and the directories of ``population.runtime_env``
+(``working_dir``, ``py_modules``).
 
 Example::
 
@@ -31,26 +37,45 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import math
-import re
-import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
-from popmeta.config.schema import Config, ConfigError
+from popmeta.config.schema import KIND_SECTIONS, Config, KindSection, MixtureMember, TaskConfig
+from popmeta.config.values import ConfigError, accepts_str, coerce, type_name
+from popmeta.registry import KindError
 
-__all__ = ["config_from_dict", "config_to_dict", "config_to_yaml", "load_config"]
-
-
-# Exponent-notation numbers that YAML 1.1 leaves as strings ("1e-3", "2E+5").
-_FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+__all__ = [
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_yaml",
+    "load_config",
+    "module_dirs",
+    "upgrade_recorded",
+]
 
 #: Where the value at a dotted path came from, for error messages.
 Source = Callable[[str], str]
+
+#: Fields renamed or moved, per kind section: old key -> where it went.
+_RENAMED = {
+    "task": {
+        "family": "kind",
+        "families": "mixture",
+        "parametric_groups": "groups (a field of kind parametric_image_mlp_digits)",
+    },
+    "truncation": {"schedule": "kind"},
+    "outer_optimizer": {"name": "kind"},
+}
+
+
+#: Fields of plain sections renamed: old dotted key -> what to write instead.
+_RENAMED_FIELDS = {
+    "eval.long_horizon_factor": "eval.long_horizon_factors, a list (e.g. [5, 10]; [] for none)",
+}
 
 
 class _Sources:
@@ -76,118 +101,27 @@ class _Sources:
 
 def _field_types(cls: type) -> dict[str, Any]:
     # Resolves the string annotations left by `from __future__ import annotations`.
-    return typing.get_type_hints(cls)
+    return {
+        name: tp
+        for name, tp in typing.get_type_hints(cls).items()
+        if name in {f.name for f in dataclasses.fields(cls)} and name != "resolved"
+    }
 
 
 def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _union_args(tp: Any) -> tuple[Any, ...] | None:
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        return typing.get_args(tp)
-    return None
-
-
-def _type_name(tp: Any) -> str:
-    args = _union_args(tp)
-    if args is not None:
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is dict:
-        key_tp, value_tp = typing.get_args(tp)
-        return f"mapping of {_type_name(key_tp)} to {_type_name(value_tp)}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _accepts_str(tp: Any) -> bool:
-    args = _union_args(tp)
-    if args is not None:
-        return any(_accepts_str(a) for a in args)
-    if typing.get_origin(tp) is Literal:
-        return any(isinstance(a, str) for a in typing.get_args(tp))
-    return tp is str
+def _is_kind_section(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, KindSection)
 
 
 def _in(source: str) -> str:
     return f" (in {source})"
 
 
-def _coerce(value: Any, tp: Any, path: str, source: Source) -> Any:
-    """Checks ``value`` against ``tp``; returns it converted (int -> float, ...)."""
-
-    def fail() -> ConfigError:
-        return ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}{_in(source(path))}")
-
-    args = _union_args(tp)
-    if args is not None:
-        if value is None:
-            if type(None) in args:
-                return None
-            raise fail()
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, path, source)
-            except ConfigError:
-                continue
-        raise fail()
-
-    if typing.get_origin(tp) is Literal:
-        choices = typing.get_args(tp)
-        # `type(...) is` keeps True from matching a Literal[1] and 1 from matching 1.0.
-        if any(type(value) is type(c) and value == c for c in choices):
-            return value
-        allowed = ", ".join(repr(c) for c in choices)
-        raise ConfigError(f"{path}: expected one of {allowed}, got {value!r}{_in(source(path))}")
-
-    if typing.get_origin(tp) is dict:
-        key_tp, value_tp = typing.get_args(tp)
-        if not isinstance(value, Mapping):
-            raise fail()
-        result = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ConfigError(
-                    f"{path}: keys must be {_type_name(key_tp)}, got {key!r}{_in(source(path))}"
-                )
-            if _is_section(value_tp):
-                checked = _coerce_section(item, value_tp, f"{path}.{key}.", source)
-                result[key] = _build(value_tp, checked)
-            else:
-                result[key] = _coerce(item, value_tp, f"{path}.{key}", source)
-        return result
-
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise fail()
-    if tp is int:
-        # bool is an int subclass; `true` for a count is a mistake, not 1.
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise fail()
-    if tp is float:
-        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
-            value = float(value)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ConfigError(
-                    f"{path}: expected a finite float, got {value!r}{_in(source(path))}"
-                )
-            return float(value)
-        raise fail()
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise fail()
-    raise TypeError(f"unsupported config field type {tp!r} for {path}")
-
-
 def _known_keys(cls: type, prefix: str) -> list[str]:
-    return [f"{prefix}{f.name}" for f in dataclasses.fields(cls)]
+    return [f"{prefix}{name}" for name in _field_types(cls)]
 
 
 def _unknown_key(key: Any, cls: type, prefix: str, source: str) -> ConfigError:
@@ -200,39 +134,148 @@ def _unknown_key(key: Any, cls: type, prefix: str, source: str) -> ConfigError:
     )
 
 
-def _coerce_section(raw: Any, cls: type, prefix: str, source: Source) -> dict[str, Any]:
-    """Type-checks a mapping against a section class; returns checked values."""
-    if raw is None:
-        # An empty YAML section (`estimator:` with nothing under it) means defaults.
-        return {}
-    if not isinstance(raw, Mapping):
-        where = prefix.rstrip(".") or "config"
-        raise ConfigError(
-            f"{where}: expected a mapping with keys {', '.join(_known_keys(cls, prefix))}, "
-            f"got {raw!r}{_in(source(prefix))}"
-        )
-    field_types = _field_types(cls)
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in field_types:
-            raise _unknown_key(key, cls, prefix, source(f"{prefix}{key}"))
-        tp = field_types[key]
-        path = f"{prefix}{key}"
-        if _is_section(tp):
-            values[key] = _coerce_section(value, tp, f"{path}.", source)
-        else:
-            values[key] = _coerce(value, tp, path, source)
-    return values
+class _Reader:
+    """Checks raw (YAML) values against the schema, naming each value's source."""
 
+    def __init__(self, source: Source, search_path: tuple[str, ...]):
+        self.source = source
+        self.search_path = search_path
 
-def _build(cls: type, values: Mapping[str, Any]) -> Any:
-    field_types = _field_types(cls)
-    kwargs = {
-        name: _build(tp, values.get(name, {})) if _is_section(tp) else values[name]
-        for name, tp in field_types.items()
-        if _is_section(tp) or name in values
-    }
-    return cls(**kwargs)
+    def value(self, value: Any, tp: Any, path: str) -> Any:
+        if typing.get_origin(tp) is dict and _is_section(typing.get_args(tp)[1]):
+            return self.sections(value, typing.get_args(tp)[1], path)
+        return coerce(value, tp, path, _in(self.source(path)))
+
+    def sections(self, value: Any, cls: type, path: str) -> dict[str, Any]:
+        """A mapping of name -> section (``eval.out_of_distribution``)."""
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"{path}: expected a mapping of names to sections, got {value!r}"
+                f"{_in(self.source(path))}"
+            )
+        return {key: self.section(item, cls, f"{path}.{key}.") for key, item in value.items()}
+
+    def section(self, raw: Any, cls: type, prefix: str) -> Any:
+        """A section built from ``raw`` (None or an empty YAML section means defaults)."""
+        if _is_kind_section(cls):
+            return self.kind_section(raw, cls, prefix)
+        raw = self._mapping(raw, cls, prefix)
+        field_types = _field_types(cls)
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if f"{prefix}{key}" in _RENAMED_FIELDS:
+                raise ConfigError(
+                    f"{prefix}{key} was renamed: it is {_RENAMED_FIELDS[prefix + key]} now"
+                    f"{_in(self.source(f'{prefix}{key}'))}"
+                )
+            if key not in field_types:
+                raise _unknown_key(key, cls, prefix, self.source(f"{prefix}{key}"))
+            tp = field_types[key]
+            path = f"{prefix}{key}"
+            values[key] = (
+                self.section(value, tp, f"{path}.")
+                if _is_section(tp)
+                else self.value(value, tp, path)
+            )
+        for name, tp in field_types.items():
+            if _is_section(tp) and name not in values:
+                values[name] = self.section(None, tp, f"{prefix}{name}.")
+        return cls(**values)
+
+    def _mapping(self, raw: Any, cls: type, prefix: str) -> Mapping[str, Any]:
+        if raw is None:
+            return {}
+        if not isinstance(raw, Mapping):
+            where = prefix.rstrip(".") or "config"
+            raise ConfigError(
+                f"{where}: expected a mapping with keys {', '.join(_known_keys(cls, prefix))}, "
+                f"got {raw!r}{_in(self.source(prefix))}"
+            )
+        return raw
+
+    def kind_section(self, raw: Any, cls: type[KindSection], prefix: str) -> KindSection:
+        """A section that names a kind: ``kind``, the section's own fields, the kind's fields."""
+        raw = dict(self._mapping(raw, cls, prefix))
+        section_name = cls.REGISTRY.section
+        for old, new in _RENAMED.get(section_name, {}).items():
+            if old in raw:
+                raise ConfigError(
+                    f"{prefix}{old} was renamed: it is {prefix}{new} now (every section names "
+                    f"its kind with `kind`; `popmeta kinds` lists each kind's fields)"
+                    f"{_in(self.source(f'{prefix}{old}'))}"
+                )
+        default_kind = next(f.default for f in dataclasses.fields(cls) if f.name == "kind")
+        name = raw.pop("kind", default_kind)
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"{prefix}kind: expected a kind's name or module:attribute, got {name!r}"
+                f"{_in(self.source(f'{prefix}kind'))}"
+            )
+        try:
+            kind = cls.REGISTRY.resolve(name, self.search_path)
+        except KindError as err:
+            field, _, message = str(err).partition(": ")
+            del field
+            raise ConfigError(
+                f"{prefix}kind: {message}{_in(self.source(f'{prefix}kind'))}"
+            ) from None
+        own = {n: tp for n, tp in _field_types(cls).items() if n not in ("kind", "options")}
+        values: dict[str, Any] = {"kind": name, "resolved": kind}
+        options: dict[str, Any] = {}
+        for key, value in raw.items():
+            path = f"{prefix}{key}"
+            if key == "mixture" and cls is TaskConfig:
+                own_fields = {k: v for k, v in raw.items() if k != "mixture"}
+                values["mixture"] = self.mixture(value, path, name, own_fields)
+            elif key in own:
+                values[key] = self.value(value, own[key], path)
+            elif (field := kind.field(key)) is not None:
+                options[key] = coerce(value, field.type, path, _in(self.source(path)))
+            elif value is None:
+                continue  # null for a field the kind lacks removes it (--set a.b=null)
+            else:
+                fields = [f.name for f in kind.fields]
+                close = difflib.get_close_matches(key, [*fields, *own], n=1)
+                hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+                raise ConfigError(
+                    f"unknown config key {path!r} in {self.source(path)}: not a field of "
+                    f"{prefix}kind={name!r} (its fields: {', '.join(fields) or 'none'}; the "
+                    f"section's: {', '.join(own) or 'none'}){hint}"
+                )
+        values["options"] = options
+        return cls(**values)
+
+    def mixture(
+        self, raw: Any, path: str, kind: str, kind_fields: Mapping[str, Any]
+    ) -> dict[str, MixtureMember]:
+        """``{label: weight}`` or ``{label: {kind, weight, fields}}``.
+
+        A member given by its weight alone is the kind named by its label at
+        its defaults, or, when that is the task section's own kind, with the
+        section's fields (meta-testing's family, trained in the mixture). The
+        section's rescaling ranges apply to every member that sets none.
+        """
+        if not isinstance(raw, Mapping):
+            raise ConfigError(
+                f"{path}: expected a mapping of labels to weights or task sections, got {raw!r}"
+                f"{_in(self.source(path))}"
+            )
+        members = {}
+        for label, member in raw.items():
+            where = f"{path}.{label}"
+            if isinstance(member, Mapping):
+                section = dict(member)
+            else:
+                section = {"weight": member, **(kind_fields if label == kind else {})}
+            section.setdefault("kind", label)
+            for name in TaskConfig.SHARED_WITH_MEMBERS:
+                if name in kind_fields:
+                    section.setdefault(name, kind_fields[name])
+            weight = self.value(section.pop("weight", 1.0), float, f"{where}.weight")
+            members[label] = MixtureMember(
+                weight, self.kind_section(section, TaskConfig, f"{where}.")
+            )
+        return members
 
 
 def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
@@ -251,21 +294,24 @@ def _apply_override(raw: dict[str, Any], override: str, sources: _Sources) -> No
     if not sep or not key:
         raise ConfigError(f"bad override {override!r}: expected KEY=VALUE, e.g. estimator.std=0.02")
     parts = key.split(".")
-    cls: type = Config
+    cls: type | None = Config
     target = raw
     for i, part in enumerate(parts):
         prefix = "".join(f"{p}." for p in parts[:i])
-        field_types = _field_types(cls)
-        if part not in field_types:
-            raise _unknown_key(part, cls, prefix, source)
-        tp = field_types[part]
-        if i < len(parts) - 1:
-            if not _is_section(tp):
+        last = i == len(parts) - 1
+        tp: Any = None
+        if cls is not None:
+            field_types = _field_types(cls)
+            if part not in field_types and not _is_kind_section(cls):
+                raise _unknown_key(part, cls, prefix, source)
+            tp = field_types.get(part)  # None: a kind's field, checked with the kind
+        if not last:
+            if cls is not None and tp is not None and not _is_section(tp) and part != "mixture":
                 raise ConfigError(
                     f"unknown config key {key!r} in {source}: {prefix}{part} holds a "
-                    f"value of type {_type_name(tp)}, not a section"
+                    f"value of type {type_name(tp)}, not a section"
                 )
-            cls = tp
+            cls = tp if _is_section(tp) else None
             if not isinstance(target.get(part), dict):
                 target[part] = {}  # a missing (or empty) section of the file
             target = target[part]
@@ -274,9 +320,18 @@ def _apply_override(raw: dict[str, Any], override: str, sources: _Sources) -> No
             value = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{key}: cannot parse value {text!r}{_in(source)}: {e}") from e
-        if _is_section(tp) and isinstance(value, Mapping) and isinstance(target.get(part), dict):
+        if (
+            isinstance(value, Mapping)
+            and isinstance(target.get(part), dict)
+            and (tp is None or _is_section(tp) or part == "mixture")
+        ):
             _merge(target[part], copy.deepcopy(dict(value)))
-        elif _accepts_str(tp) and value is not None and not isinstance(value, str | Mapping | list):
+        elif (
+            tp is not None
+            and accepts_str(tp)
+            and value is not None
+            and not isinstance(value, str | Mapping | list)
+        ):
             # `--set name=2024` means the string, even though YAML reads an int.
             target[part] = text.strip()
         else:
@@ -284,8 +339,28 @@ def _apply_override(raw: dict[str, Any], override: str, sources: _Sources) -> No
         sources.record(key, override)
 
 
+def _search_path(raw: Mapping[str, Any], given: Sequence[str | Path]) -> tuple[str, ...]:
+    """Where user modules are imported from: ``given`` (the config's directory), and the
+    directories of its runtime_env."""
+    paths = [str(Path(p).resolve()) for p in given]
+    population = raw.get("population") if isinstance(raw, Mapping) else None
+    env = population.get("runtime_env") if isinstance(population, Mapping) else None
+    if isinstance(env, Mapping):
+        if isinstance(env.get("working_dir"), str):
+            paths.append(str(Path(env["working_dir"]).resolve()))
+        for module in env.get("py_modules") or ():
+            if isinstance(module, str) and "://" not in module:
+                paths.append(str(Path(module).resolve().parent))
+    return tuple(dict.fromkeys(paths))
+
+
 def config_from_dict(
-    d: Mapping[str, Any] | None, source: str = "<dict>", overrides: Sequence[str] = ()
+    d: Mapping[str, Any] | None,
+    source: str = "<dict>",
+    overrides: Sequence[str] = (),
+    *,
+    search_path: Sequence[str | Path] = (),
+    recorded: bool = False,
 ) -> Config:
     """Builds and validates a :class:`Config` from a nested mapping.
 
@@ -294,6 +369,12 @@ def config_from_dict(
         None means all defaults.
       source: where ``d`` came from, used in error messages.
       overrides: ``"a.b=value"`` strings applied on top of ``d``.
+      search_path: directories user modules (``kind: module:attribute``) may
+        also be imported from: the config file's, the ones a checkpoint
+        recorded (see :func:`module_dirs`).
+      recorded: ``d`` is a config popmeta recorded (a run's ``config.yaml``,
+        a checkpoint's metadata), perhaps by an older version: old field
+        names are translated (:func:`upgrade_recorded`).
 
     Returns:
       The validated config.
@@ -302,16 +383,19 @@ def config_from_dict(
       ConfigError: naming the offending field and the source.
     """
     sources = _Sources(source)
-    if d is not None and overrides and not isinstance(d, Mapping):
-        _coerce_section(d, Config, "", sources)  # fails, naming the source
-    raw: Any = copy.deepcopy(dict(d)) if isinstance(d, Mapping) else d
+    if d is not None and not isinstance(d, Mapping):
+        raise ConfigError(f"config: expected a mapping of sections, got {d!r}{_in(source)}")
+    raw: dict[str, Any] = copy.deepcopy(dict(d)) if d is not None else {}
+    if recorded:
+        raw = upgrade_recorded(raw)
     for override in overrides:
-        raw = raw if isinstance(raw, dict) else {}
         _apply_override(raw, override, sources)
-    values = _coerce_section(raw, Config, "", sources)
+    reader = _Reader(sources, _search_path(raw, search_path))
     try:
-        return _build(Config, values)
+        return reader.section(raw, Config, "")
     except ConfigError as e:
+        if "(in " in str(e):
+            raise
         where = source if not overrides else f"{source} with --set {' '.join(overrides)}"
         raise ConfigError(f"{e}{_in(where)}") from None
 
@@ -347,15 +431,120 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             f"config file {source} must contain a YAML mapping of config keys, "
             f"got {type(raw).__name__}"
         )
-    return config_from_dict(raw, source=source, overrides=overrides)
+    here = Path(path).resolve().parent
+    return config_from_dict(raw, source=source, overrides=overrides, search_path=(here,))
+
+
+def module_dirs(cfg: Config) -> list[str]:
+    """The directories the config's user modules were imported from beside it: what a
+    checkpoint records so that a later reader imports them from there too."""
+    return list(dict.fromkeys(str(Path(found).parent) for found in cfg.found_modules()))
+
+
+def _section_to_dict(section: Any) -> Any:
+    if isinstance(section, KindSection):
+        out: dict[str, Any] = {"kind": section.kind, **section.options}
+        for field in dataclasses.fields(section):
+            if field.name in ("kind", "options", "resolved"):
+                continue
+            value = getattr(section, field.name)
+            if field.name == "mixture":
+                value = {
+                    label: {"weight": m.weight, **_section_to_dict(m.task)}
+                    for label, m in value.items()
+                }
+            out[field.name] = _section_to_dict(value)
+        return out
+    if dataclasses.is_dataclass(section):
+        return {
+            f.name: _section_to_dict(getattr(section, f.name)) for f in dataclasses.fields(section)
+        }
+    if isinstance(section, Mapping):
+        return {key: _section_to_dict(value) for key, value in section.items()}
+    if isinstance(section, tuple):
+        return [_section_to_dict(value) for value in section]
+    return copy.deepcopy(section)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
     """The config as nested plain dicts (YAML- and JSON-safe); inverse of
-    :func:`config_from_dict`."""
-    return dataclasses.asdict(cfg)
+    :func:`config_from_dict`. A kind's fields sit beside ``kind`` in its section."""
+    return _section_to_dict(cfg)
 
 
 def config_to_yaml(cfg: Config) -> str:
     """The config as YAML text that :func:`load_config` reads back unchanged."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+# -- configs popmeta recorded before every section named its kind with `kind` -----------
+
+
+def _keep(fields: dict[str, Any], kind: Any, own: tuple[str, ...]) -> dict[str, Any]:
+    """The recorded fields the kind (or the section itself) has."""
+    names = {f.name for f in kind.fields} if kind is not None else set(fields)
+    return {k: v for k, v in fields.items() if k in names or k in own}
+
+
+def _upgrade_task(task: Mapping[str, Any]) -> dict[str, Any]:
+    from popmeta.registry import TASK_FAMILIES
+
+    task = dict(task)
+    families = task.pop("families", None) or {}
+    name = task.pop("family", task.pop("kind", TaskConfig.kind))
+    shared = {k: task.pop(k) for k in ("dim", "npz_path") if k in task}
+    if "parametric_groups" in task:
+        shared["groups"] = task.pop("parametric_groups")
+
+    def member(kind_name: str) -> dict[str, Any]:
+        kind = TASK_FAMILIES.resolve(kind_name) if kind_name in TASK_FAMILIES else None
+        return {"kind": kind_name, **_keep(shared, kind, ())}
+
+    out = {**task, **member(name)}
+    if families:
+        out["mixture"] = {label: {"weight": w, **member(label)} for label, w in families.items()}
+    return out
+
+
+def upgrade_recorded(raw: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config of any popmeta version, in this version's field names.
+
+    Recorded configs hold every field of their time's sections; a field the
+    section's kind does not have is dropped (it was never read), a renamed
+    one takes its new name.
+    """
+    from popmeta.registry import REGISTRIES
+
+    raw = dict(raw)
+    evaluation = dict(raw.get("eval") or {})
+    if "long_horizon_factor" in evaluation:
+        factor = evaluation.pop("long_horizon_factor")
+        evaluation["long_horizon_factors"] = [factor] if factor else []
+        raw["eval"] = evaluation
+    if "kind" in (raw.get("task") or {}) and "family" not in (raw.get("task") or {}):
+        return raw  # already in this version's names
+    registries = {registry.section: registry for registry in REGISTRIES}
+    for name, cls in KIND_SECTIONS.items():
+        section = dict(raw.get(name) or {})
+        if name == "task":
+            raw[name] = _upgrade_task(section)
+            continue
+        old_kind = {"truncation": "schedule", "outer_optimizer": "name"}.get(name)
+        if old_kind and old_kind in section:
+            section["kind"] = section.pop(old_kind)
+        kind_name = section.get(
+            "kind", next(f.default for f in dataclasses.fields(cls) if f.name == "kind")
+        )
+        registry = registries[name]
+        kind = registry.resolve(kind_name) if kind_name in registry else None
+        if kind_name == "learnable_adam" and "initial_momentum" in section:
+            section["initial_beta1"] = section.pop("initial_momentum")
+        own = tuple(n for n in _field_types(cls) if n not in ("kind", "options"))
+        raw[name] = {"kind": kind_name, **_keep(section, kind, own)}
+    ood = (raw.get("eval") or {}).get("out_of_distribution") or {}
+    if ood:
+        raw["eval"] = {
+            **raw["eval"],
+            "out_of_distribution": {k: _upgrade_task(v) for k, v in ood.items()},
+        }
+    return raw

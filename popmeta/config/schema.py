@@ -3,30 +3,32 @@
 A config is a tree of frozen dataclasses (:class:`Config` and one section class
 per top-level key). Constructing one (directly, with ``dataclasses.replace``,
 or through :mod:`popmeta.config.loading`) runs every check, and a failure
-names the dotted field:
+names the dotted field.
 
-* ranges (positive sizes, ``std > 0``, ...);
-* cross-field rules (an estimator that needs a schedule, a field the chosen
-  engine would ignore, ...), naming every field involved.
-
-The names a kind field accepts (``task.family``, ``estimator.kind``, ...) come
-from the registries of :mod:`popmeta.registry`: a kind registered there is
-accepted here and built by :mod:`popmeta.experiment`.
+Five sections name a kind with ``kind`` (:class:`KindSection`): ``task``,
+``learned_optimizer``, ``truncation``, ``estimator`` and ``outer_optimizer``.
+The kind (a name of :mod:`popmeta.registry`, or ``module:attribute``) brings
+its own fields, checked against its callable's typed parameters, and its own
+rules; this module names no kind. A section may also have fields of its own,
+whatever its kind (``estimator.num_tasks``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, Literal
 
+from popmeta.config.values import ConfigError, coerce
 from popmeta.registry import (
-    DATA_FREE_TASK_FAMILIES,
     ESTIMATORS,
     LEARNED_OPTIMIZERS,
     OUTER_OPTIMIZERS,
     TASK_FAMILIES,
     TRUNCATION_SCHEDULES,
+    Kind,
+    KindError,
+    Registry,
 )
 
 __all__ = [
@@ -34,25 +36,15 @@ __all__ = [
     "ConfigError",
     "EstimatorConfig",
     "EvalConfig",
+    "KindSection",
     "LearnedOptimizerConfig",
+    "MixtureMember",
     "OuterOptimizerConfig",
     "PopulationConfig",
     "TaskConfig",
     "TrainConfig",
     "TruncationConfig",
 ]
-
-
-class ConfigError(ValueError):
-    """A config file or override is unreadable, unknown, mistyped or out of range."""
-
-
-# Each kind field accepts exactly the names of its registry.
-TaskFamilyName = Literal[TASK_FAMILIES.names]
-LearnedOptimizerName = Literal[LEARNED_OPTIMIZERS.names]
-TruncationScheduleName = Literal[TRUNCATION_SCHEDULES.names]
-EstimatorName = Literal[ESTIMATORS.names]
-OuterOptimizerName = Literal[OUTER_OPTIMIZERS.names]
 
 #: The longest file name most file systems take (NAME_MAX): a run's directory name.
 MAX_NAME_BYTES = 255
@@ -75,129 +67,207 @@ def _non_negative(section: Any, *names: str) -> Iterator[_Problem]:
             yield name, f"must be >= 0, got {value!r}"
 
 
+class KindSection:
+    """A section that names a kind: ``kind``, the kind's fields in ``options``, its own fields.
+
+    Subclasses are frozen dataclasses with the fields ``kind``, ``options``
+    and ``resolved`` (the :class:`~popmeta.registry.Kind`, found when the
+    section is made unless given) and fields of their own. ``options`` ends up
+    holding every field of the kind, its defaults filled in; they also read
+    as attributes (``config.task.dim``). A kind that cannot be found, or
+    options that do not fit it, are problems of the section, reported by the
+    config that holds it.
+    """
+
+    REGISTRY: ClassVar[Registry]
+    kind: str
+    options: Mapping[str, Any]
+    resolved: Kind | None
+
+    def __post_init__(self) -> None:
+        problems: list[_Problem] = []
+        kind = self.resolved
+        if kind is None:
+            try:
+                kind = self.REGISTRY.resolve(self.kind)
+            except KindError as err:
+                problems.append(("kind", str(err).split(": ", 1)[-1]))
+        options = dict(self.options)
+        if kind is not None:
+            options = self._checked_options(kind, options, problems)
+        object.__setattr__(self, "resolved", kind)
+        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "_kind_problems", tuple(problems))
+
+    def _checked_options(
+        self, kind: Kind, options: dict[str, Any], problems: list[_Problem]
+    ) -> dict[str, Any]:
+        checked = {}
+        for name in options:
+            if kind.field(name) is None:
+                problems.append((name, _not_a_field(self.REGISTRY.section, kind, name)))
+        for field in kind.fields:
+            if field.name not in options:
+                if field.required:
+                    problems.append((field.name, f"kind {kind.name!r} needs it; it has no default"))
+                else:
+                    checked[field.name] = field.default
+                continue
+            try:
+                value = coerce(options[field.name], field.type, field.name)
+            except ConfigError as err:
+                problems.append((field.name, str(err).split(": ", 1)[-1]))
+                continue
+            for bound in field.ranges:
+                if (problem := bound.problem(value)) is not None:
+                    problems.append((field.name, problem))
+            checked[field.name] = value
+        return checked
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names that are not attributes: a kind's field reads as one.
+        options = self.__dict__.get("options", {})
+        if name.startswith("__") or name not in options:
+            raise AttributeError(
+                f"{type(self).__name__} of kind {self.__dict__.get('kind')!r} has no field {name!r}"
+            )
+        return options[name]
+
+    def _problems(self) -> Iterator[_Problem]:
+        yield from self.__dict__.get("_kind_problems", ())
+        yield from self._own_problems()
+
+    def _own_problems(self) -> Iterator[_Problem]:
+        return iter(())
+
+    def kind_rules(self, config: Config, where: str) -> Iterator[_Problem]:
+        """The kind's rules against the whole config (absolute field names)."""
+        if self.resolved is not None and self.resolved.rules is not None:
+            yield from self.resolved.rules(config, where, self)
+
+
+def _not_a_field(section: str, kind: Kind, name: str) -> str:
+    fields = ", ".join(f.name for f in kind.fields) or "none"
+    return f"not a field of {section}.kind={kind.name!r} (its fields: {fields})"
+
+
 @dataclasses.dataclass(frozen=True)
-class TaskConfig:
+class MixtureMember:
+    """One family of a task mixture: its share of the task slots and its task section.
+
+    Attributes:
+      weight: its share of each worker's ``estimator.num_tasks`` slots.
+      task: its kind and fields.
+    """
+
+    weight: float
+    task: TaskConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig(KindSection):
     """The inner problems the learned optimizer is trained on.
 
     Attributes:
-      family: task family (``popmeta kinds`` lists them).
-      dim: problem dimension of the quadratic families.
-      npz_path: ``.npz`` file with ``images`` / ``labels``; required for
-        ``image_mlp_npz`` and refused for every other family.
-      families: a mixture to train on, ``{family: weight}``: each actor splits
-        its ``estimator.num_tasks`` slots among the families in proportion to
-        the weights (at least one slot each), so one actor trains on every
-        family at once, and TensorBoard shows ``meta_loss_by_family/<family>``
-        for each. Empty: train on ``family`` alone. When set, ``family`` must
-        be one of them: it is the family meta-testing (``eval``) runs on.
-      parametric_groups: architectures a parametric family
-        (``parametric_image_mlp_digits``) trains at once, drawn from the run's
-        ``seed``; each is a group of task slots with its own compile.
+      kind: task family (``popmeta kinds`` lists them), or ``module:attribute``.
+      options: the family's fields.
+      mixture: a mixture to train on, ``{label: member}``: each actor splits
+        its ``estimator.num_tasks`` slots among the members in proportion to
+        their weights (at least one slot each), and TensorBoard shows
+        ``meta_loss_by_family/<label>`` for each. Empty: train on ``kind``
+        alone. When set, this section's own kind and fields (meta-testing
+        runs on them) must be one of the members'.
+      rescale_per_tensor: training augmentation (``[low, high]``): every
+        training task multiplies each parameter tensor's scale by a factor
+        drawn log-uniformly in this range
+        (:class:`~popmeta.core.tasks.RescaledFamily`); ``[1, 1]``: none.
+        Meta-testing runs the plain family.
+      rescale_overall: the same with one factor per task for all its tensors.
+        With a mixture, both apply to every member that sets neither.
     """
 
-    family: TaskFamilyName = "curved_quadratic"
-    dim: int = 10
-    npz_path: str | None = None
-    families: dict[str, float] = dataclasses.field(default_factory=dict)
-    parametric_groups: int = 3
+    REGISTRY: ClassVar[Registry] = TASK_FAMILIES
+    #: The fields a mixture's members take from the section unless they set their own.
+    SHARED_WITH_MEMBERS: ClassVar[tuple[str, ...]] = ("rescale_per_tensor", "rescale_overall")
+    kind: str = "curved_quadratic"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    mixture: dict[str, MixtureMember] = dataclasses.field(default_factory=dict)
+    rescale_per_tensor: tuple[float, float] = (1.0, 1.0)
+    rescale_overall: tuple[float, float] = (1.0, 1.0)
+    resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    def _problems(self) -> Iterator[_Problem]:
-        yield from _positive(self, "dim", "parametric_groups")
-        for name, weight in self.families.items():
-            if name not in TASK_FAMILIES:
-                choices = ", ".join(repr(n) for n in TASK_FAMILIES.names)
-                yield f"families.{name}", f"unknown task family; expected one of {choices}"
-            elif not weight > 0:
-                yield f"families.{name}", f"weight must be > 0, got {weight!r}"
-        if self.families and self.family not in self.families:
+    @property
+    def rescaled(self) -> bool:
+        """Whether training rescales this family's tasks."""
+        return (self.rescale_per_tensor, self.rescale_overall) != ((1.0, 1.0), (1.0, 1.0))
+
+    def _own_problems(self) -> Iterator[_Problem]:
+        for name in self.SHARED_WITH_MEMBERS:
+            low, high = getattr(self, name)
+            if not 0 < low <= high:
+                yield name, f"expected [low, high] with 0 < low <= high, got {[low, high]}"
+        for label, member in self.mixture.items():
+            if member.task.mixture:
+                yield f"mixture.{label}.mixture", "a mixture's member is one family, not a mixture"
+            if not member.weight > 0:
+                yield f"mixture.{label}.weight", f"must be > 0, got {member.weight!r}"
+            for field, message in member.task._problems():
+                yield f"mixture.{label}.{field}", message
+        if self.mixture and not any(self.same_family(m.task) for m in self.mixture.values()):
             yield (
-                "family",
-                "with task.families set, task.family names the family that meta-testing "
-                f"(eval) runs on and must be one of {sorted(self.families)}; got {self.family!r}",
-            )
-        trained = [family for _, family in self.named_families()]
-        if "image_mlp_npz" in trained and not self.npz_path:
-            yield "npz_path", "is required when task.family or task.families has 'image_mlp_npz'"
-        if "image_mlp_npz" not in trained and self.npz_path is not None:
-            yield (
-                "npz_path",
-                f"only the task family 'image_mlp_npz' reads it, and the task trains on "
-                f"{', '.join(repr(f) for f in trained)}; remove task.npz_path",
+                "kind",
+                "with task.mixture set, task's own kind and fields are what meta-testing runs "
+                f"on and must be one of the mixture's members; got {self.kind!r} with "
+                f"{dict(self.options)}",
             )
 
-    def named_families(self) -> list[tuple[str, str]]:
-        """``(field, family)`` for every family this section trains on."""
-        if self.families:
-            return [(f"task.families.{name}", name) for name in self.families]
-        return [("task.family", self.family)]
+    def same_family(self, other: TaskConfig) -> bool:
+        return (self.kind, dict(self.options)) == (other.kind, dict(other.options))
+
+    def training_sections(self, where: str = "task") -> list[tuple[str, TaskConfig]]:
+        """``(dotted path, section)`` of each family training runs on (the mixture's, or this)."""
+        if not self.mixture:
+            return [(where, self)]
+        return [(f"{where}.mixture.{label}", m.task) for label, m in self.mixture.items()]
 
 
 @dataclasses.dataclass(frozen=True)
-class LearnedOptimizerConfig:
-    """The meta-learned optimizer (theta).
+class LearnedOptimizerConfig(KindSection):
+    """The learned optimizer whose theta is meta-trained.
 
     Attributes:
-      kind: learned optimizer architecture (``popmeta kinds`` lists them).
-      initial_lr: initial learning rate of the learnable SGD/SGDM/Adam.
-      initial_momentum: initial momentum of learnable SGDM/Adam, in [0, 1).
-      step_multiplier: output step scale of the MLP optimizer.
-      magnitude_multiplier: output magnitude scale of the MLP optimizer.
-      hidden_size: hidden width of the MLP optimizer.
+      kind: learned optimizer (``popmeta kinds`` lists them), or ``module:attribute``.
+      options: its fields.
     """
 
-    kind: LearnedOptimizerName = "mlp"
-    initial_lr: float = 1e-3
-    initial_momentum: float = 0.9
-    step_multiplier: float = 0.001
-    magnitude_multiplier: float = 0.001
-    hidden_size: int = 32
-
-    def _problems(self) -> Iterator[_Problem]:
-        yield from _positive(
-            self, "initial_lr", "step_multiplier", "magnitude_multiplier", "hidden_size"
-        )
-        if not 0.0 <= self.initial_momentum < 1.0:
-            yield "initial_momentum", f"must be in [0, 1), got {self.initial_momentum!r}"
+    REGISTRY: ClassVar[Registry] = LEARNED_OPTIMIZERS
+    kind: str = "mlp"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
-class TruncationConfig:
+class TruncationConfig(KindSection):
     """How long each inner trajectory runs before it is reset.
 
     Attributes:
-      schedule: ``constant`` (``length`` steps), ``log_uniform`` (length drawn
-        log-uniformly in [min_length, max_length] per trajectory) or
-        ``never_ending``.
-      length: trajectory length of the constant schedule.
-      min_length: lower bound of the log-uniform schedule.
-      max_length: upper bound of the log-uniform schedule.
+      kind: truncation schedule (``popmeta kinds`` lists them), or ``module:attribute``.
+      options: its fields.
     """
 
-    schedule: TruncationScheduleName = "constant"
-    length: int = 100
-    min_length: int = 10
-    max_length: int = 100
-
-    def _problems(self) -> Iterator[_Problem]:
-        yield from _positive(self, "length", "min_length", "max_length")
-        if self.max_length < self.min_length:
-            yield (
-                "max_length",
-                f"must be >= truncation.min_length ({self.min_length}), got {self.max_length!r}",
-            )
+    REGISTRY: ClassVar[Registry] = TRUNCATION_SCHEDULES
+    kind: str = "constant"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
-class EstimatorConfig:
-    """The gradient estimator each actor runs.
+class EstimatorConfig(KindSection):
+    """The gradient estimator each actor runs, and the tasks it runs on.
 
     Attributes:
       kind: estimator (``popmeta kinds`` lists them).
-      trunc_length: inner steps per truncation (per estimate).
-      std: perturbation standard deviation sigma.
-      sign_delta_loss_scalar: if set, replace the antithetic loss difference
-        by ``sign(delta) * scalar``.
-      clip_loss_diff: if set, clip the antithetic loss difference to +-value.
+      options: its fields (``trunc_length``, ``std``, ...).
       num_tasks: inner problems per actor, trained side by side.
       random_initial_iteration_offset: tasks start at random iterations in
         [0, offset) so they do not run in lockstep.
@@ -206,55 +276,57 @@ class EstimatorConfig:
         the per-call cost (a Ray round trip) when a truncation takes about a
         millisecond. Throughput counts scale with it.
       meta_loss_split: ``train``: the per-step meta-loss is the normalized
-        training loss before the inner update (the reference's default);
-        ``outer_valid``: the updated parameters' normalized loss on a batch of
-        the held-out outer-validation split (the reference's ``outer_valid``),
-        which rewards generalisation rather than fitting the training batch.
-        Data-free task families have no such split and refuse it.
+        training loss before the inner update (learned_optimization's
+        default); ``outer_valid``: the updated parameters' normalized loss on a
+        batch of the held-out outer-validation split (learned_optimization's
+        ``outer_valid``), which rewards generalisation rather than fitting the
+        training batch. Data-free task families have no such split and refuse it.
     """
 
-    kind: EstimatorName = "pes"
-    trunc_length: int = 10
-    std: float = 0.01
-    sign_delta_loss_scalar: float | None = None
-    clip_loss_diff: float | None = None
+    REGISTRY: ClassVar[Registry] = ESTIMATORS
+    kind: str = "pes"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     num_tasks: int = 16
     random_initial_iteration_offset: int = 100
     truncations_per_call: int = 1
     meta_loss_split: Literal["train", "outer_valid"] = "train"
+    resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    def _problems(self) -> Iterator[_Problem]:
-        yield from _positive(
-            self,
-            "trunc_length",
-            "std",
-            "sign_delta_loss_scalar",
-            "clip_loss_diff",
-            "num_tasks",
-            "truncations_per_call",
-        )
+    def _own_problems(self) -> Iterator[_Problem]:
+        yield from _positive(self, "num_tasks", "truncations_per_call")
         yield from _non_negative(self, "random_initial_iteration_offset")
 
 
 @dataclasses.dataclass(frozen=True)
-class OuterOptimizerConfig:
+class OuterOptimizerConfig(KindSection):
     """The optax optimizer the learner applies to theta.
 
     Attributes:
-      name: optimizer (``popmeta kinds`` lists them).
-      learning_rate: meta learning rate.
-      clip_grad_norm: global-norm clip of each aggregated estimate, or null.
-      weight_decay: decoupled for adamw, L2 for the others.
+      kind: optimizer (``popmeta kinds`` lists them), or ``module:attribute``
+        to an optax alias, e.g. ``optax:adamw`` with its keyword arguments.
+      options: its fields (``learning_rate``, ...).
+      clip_grad_norm: global-norm clip of each round's summed estimate, before
+        the optimizer, or null.
     """
 
-    name: OuterOptimizerName = "adam"
-    learning_rate: float = 1e-2
+    REGISTRY: ClassVar[Registry] = OUTER_OPTIMIZERS
+    kind: str = "adam"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     clip_grad_norm: float | None = 3.0
-    weight_decay: float = 0.0
+    resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    def _problems(self) -> Iterator[_Problem]:
-        yield from _positive(self, "learning_rate", "clip_grad_norm")
-        yield from _non_negative(self, "weight_decay")
+    def _own_problems(self) -> Iterator[_Problem]:
+        yield from _positive(self, "clip_grad_norm")
+
+
+#: The sections that name a kind, by their key in the config.
+KIND_SECTIONS: dict[str, type[KindSection]] = {
+    "task": TaskConfig,
+    "learned_optimizer": LearnedOptimizerConfig,
+    "truncation": TruncationConfig,
+    "estimator": EstimatorConfig,
+    "outer_optimizer": OuterOptimizerConfig,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +356,13 @@ class PopulationConfig:
         ``num_actors`` actors (which must then stay unset).
       calls_in_flight: estimate calls queued per actor in async mode, so an
         actor never idles waiting for the learner.
-      env: environment variables for the actors (e.g. ``XLA_FLAGS``).
+      env: environment variables for the actors (e.g. ``XLA_FLAGS``); they join
+        ``runtime_env``'s ``env_vars``.
+      runtime_env: Ray's runtime environment for the actors, passed to Ray as it
+        is (``working_dir``, ``py_modules``, ``pip``, ``env_vars``, ...): how the
+        code of your own kinds reaches every node. The driver imports your
+        modules from its local ``working_dir`` and ``py_modules`` too, and a
+        module found only beside the config file is added to ``py_modules``.
       shard_tasks: an actor that sees several local devices shards its tasks over
         them (``estimator.num_tasks`` must then be a multiple of their number).
       call_timeout_s: longest wait for an actor to start (build its worker and
@@ -317,6 +395,7 @@ class PopulationConfig:
     one_actor_per_node_with: str | None = None
     calls_in_flight: int = 2
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    runtime_env: dict[str, Any] = dataclasses.field(default_factory=dict)
     shard_tasks: bool = True
     call_timeout_s: float = 600.0
     call_timeout_factor: float = 10.0
@@ -383,10 +462,15 @@ class EvalConfig:
     Attributes:
       num_tasks: held-out inner problems per setting; the 95% intervals are over them.
       num_steps: inner steps of the trained-horizon setting; None means the
-        trajectory length training used (``truncation.length``, or
-        ``truncation.max_length`` for ``log_uniform``).
-      long_horizon_factor: a second setting runs ``factor * num_steps`` steps on
-        the training task family (0 leaves it out).
+        longest trajectory of the truncation schedule (its ``max_length``).
+      long_horizon_factors: a further setting for each factor, running
+        ``factor * num_steps`` steps on the training task family (``[]``: none).
+      each_training_family: with a mixture, the trained horizon and the long
+        horizons run on every member (settings named ``<label>: ...``), not
+        only on the task section's own kind.
+      optax_cosine: a further setting at the trained horizon where the learned
+        optimizer runs as exported (``popmeta.load_optimizer``), chained with
+        an external cosine decay of its updates to 0 over the run.
       out_of_distribution: further settings, each a name and a ``task`` section
         (other architectures, other data), run at the trained horizon.
       seed: evaluation seed (separate from the training seed); baselines are
@@ -395,28 +479,44 @@ class EvalConfig:
         while training, in the background, logged under ``eval/`` (0: never).
       after_training: compare the trained learned optimizer with the tuned
         baselines at the trained horizon when a run finishes.
+      tuning: how each baseline's learning rate is chosen from the grid:
+        ``full`` runs all 21 rates; ``coarse_to_fine`` runs every fourth
+        (one per decade), then the six grid rates around the best of those:
+        12 runs, the same choice wherever the tuning loss is unimodal over
+        the grid.
     """
 
     num_tasks: int = 32
     num_steps: int | None = None
-    long_horizon_factor: int = 5
+    long_horizon_factors: tuple[int, ...] = (5,)
+    each_training_family: bool = False
+    optax_cosine: bool = False
     out_of_distribution: dict[str, TaskConfig] = dataclasses.field(default_factory=dict)
     seed: int = 1234
     every: int = 0
     after_training: bool = True
+    tuning: Literal["full", "coarse_to_fine"] = "coarse_to_fine"
 
     def _problems(self) -> Iterator[_Problem]:
         yield from _positive(self, "num_tasks", "num_steps")
-        yield from _non_negative(self, "seed", "long_horizon_factor", "every")
+        yield from _non_negative(self, "seed", "every")
+        for i, factor in enumerate(self.long_horizon_factors):
+            if not factor > 1:
+                yield f"long_horizon_factors[{i}]", f"must be > 1, got {factor!r}"
         if self.num_tasks is not None and self.num_tasks < 2:
             yield "num_tasks", f"must be >= 2 for an interval over tasks, got {self.num_tasks!r}"
         for name, task in self.out_of_distribution.items():
             for field, message in task._problems():
                 yield f"out_of_distribution.{name}.{field}", message
-            if task.families:
+            if task.mixture:
                 yield (
-                    f"out_of_distribution.{name}.families",
-                    "meta-testing runs on one family (its task.family); remove families",
+                    f"out_of_distribution.{name}.mixture",
+                    "meta-testing runs on one family (its kind); remove mixture",
+                )
+            if task.rescaled:
+                yield (
+                    f"out_of_distribution.{name}.rescale_per_tensor",
+                    "rescaling is a training augmentation; meta-testing runs the plain family",
                 )
 
 
@@ -425,7 +525,8 @@ class Config:
     """A complete, validated run configuration.
 
     Constructing it (directly, with ``dataclasses.replace`` or through
-    :func:`load_config`) runs the range checks; type checks happen when it is
+    :func:`load_config`) runs the range checks, the kinds' field checks and
+    every rule; type checks of the sections' own fields happen when it is
     built from YAML or a dict.
 
     The defaults are the quickstart, the one source of them: ``popmeta train``
@@ -465,6 +566,25 @@ class Config:
         if problems:
             raise ConfigError("; ".join(f"{name}: {message}" for name, message in problems))
 
+    def kind_sections(self) -> list[tuple[str, KindSection]]:
+        """``(dotted path, section)`` of every section that names a kind, nested ones too."""
+        sections: list[tuple[str, KindSection]] = [("task", self.task)]
+        sections += [(f"task.mixture.{k}", m.task) for k, m in self.task.mixture.items()]
+        sections += [
+            (f"eval.out_of_distribution.{k}", t) for k, t in self.eval.out_of_distribution.items()
+        ]
+        sections += [
+            (name, getattr(self, name))
+            for name in ("learned_optimizer", "truncation", "estimator", "outer_optimizer")
+        ]
+        return sections
+
+    def found_modules(self) -> list[str]:
+        """Files (or package directories) of the modules of user kinds that were found only
+        in a directory of the search path (beside the config file), in order."""
+        found = [s.resolved.found_in for _, s in self.kind_sections() if s.resolved is not None]
+        return list(dict.fromkeys(f for f in found if f))
+
     def _problems(self) -> Iterator[_Problem]:
         if not self.name or "/" in self.name or "\\" in self.name or self.name in (".", ".."):
             yield (
@@ -482,47 +602,30 @@ class Config:
         if not self.run_dir:
             yield "run_dir", "must be non-empty"
         yield from _non_negative(self, "seed")
+        problems = []
         for field in dataclasses.fields(self):
             section = getattr(self, field.name)
             if dataclasses.is_dataclass(section):
                 for name, message in section._problems():
-                    yield f"{field.name}.{name}", message
-        yield from self._cross_field_problems()
+                    problems.append((f"{field.name}.{name}", message))
+        yield from problems
+        if not problems:  # rules read the sections, which must be whole for them
+            yield from self._cross_field_problems()
 
     def _cross_field_problems(self) -> Iterator[_Problem]:
         """Rules that tie fields of different sections (names are absolute)."""
+        for where, task in self.task.training_sections():
+            yield from task.kind_rules(self, where)
+        for name in ("learned_optimizer", "truncation", "estimator", "outer_optimizer"):
+            yield from getattr(self, name).kind_rules(self, name)
         est, pop = self.estimator, self.population
-        if est.kind == "full_es" and self.truncation.schedule != "constant":
+        if len(self.task.mixture) > est.num_tasks:
             yield (
-                "estimator.kind",
-                "'full_es' unrolls whole episodes of truncation.length steps and needs "
-                f"truncation.schedule: constant, got truncation.schedule: "
-                f"{self.truncation.schedule!r}",
-            )
-        if est.kind == "truncated_grad":
-            for name in ("sign_delta_loss_scalar", "clip_loss_diff"):
-                if getattr(est, name) is not None:
-                    yield (
-                        f"estimator.{name}",
-                        "only the antithetic estimators use it, and estimator.kind is "
-                        "'truncated_grad'; remove it",
-                    )
-        if len(self.task.families) > est.num_tasks:
-            yield (
-                "task.families",
-                f"{len(self.task.families)} families need at least one task slot each, and "
+                "task.mixture",
+                f"{len(self.task.mixture)} families need at least one task slot each, and "
                 f"estimator.num_tasks is {est.num_tasks}; raise estimator.num_tasks or name "
                 "fewer families",
             )
-        if est.meta_loss_split == "outer_valid":
-            for field, family in self.task.named_families():
-                if family in DATA_FREE_TASK_FAMILIES:
-                    yield (
-                        "estimator.meta_loss_split",
-                        f"'outer_valid' evaluates on held-out data, and {field} {family!r} is "
-                        "data-free (no outer_valid split); use meta_loss_split: train or a "
-                        "family with data",
-                    )
         defaults = PopulationConfig()
         if pop.engine == "local":
             for name in _RAY_ENGINE_FIELDS:
@@ -556,6 +659,7 @@ _RAY_ENGINE_FIELDS = (
     "address",
     "one_actor_per_node_with",
     "env",
+    "runtime_env",
     "call_timeout_s",
     "call_timeout_factor",
     "min_call_timeout_s",

@@ -23,11 +23,14 @@ class TrainingCurves(NamedTuple):
       final_accuracy: ``[num_tasks]`` accuracy of the final parameters on a fresh
         batch of ``eval_split``, for tasks that define :meth:`Task.accuracy`;
         None otherwise.
+      initial_eval_loss: ``[num_tasks]`` loss of the initial parameters on a
+        batch of ``eval_split`` (data-free tasks: their loss).
     """
 
     train_loss: jax.Array
     eval_loss: jax.Array
     final_accuracy: jax.Array | None = None
+    initial_eval_loss: jax.Array | None = None
 
 
 def training_curves(
@@ -48,7 +51,12 @@ def training_curves(
         key_task, key_init, key_opt, key_steps = jax.random.split(key, 4)
         task_param = task_family.sample(key_task)
         task = task_family.task_fn(task_param)
-        opt_state = optimizer.init(task.init(key_init), num_steps=num_steps, key=key_opt)
+        params = task.init(key_init)
+        opt_state = optimizer.init(params, num_steps=num_steps, key=key_opt)
+        # Its own key (folded from the task's), so every other draw is what it was without it.
+        key_initial = jax.random.fold_in(key_task, 1)
+        initial_batch = task_family.sample_batch(key_initial, eval_split)
+        initial_loss = task.loss(params, key_initial, initial_batch)
 
         def body(opt_state, key):
             key_train, key_eval, key_loss, key_update = jax.random.split(key, 4)
@@ -71,9 +79,16 @@ def training_curves(
         accuracy = None
         if final_batch is not None:
             accuracy = task.accuracy(optimizer.get_params(opt_state), final_batch)
-        return train_loss, eval_loss, accuracy
+        return train_loss, eval_loss, accuracy, initial_loss
 
-    train_loss, eval_loss, accuracy = jax.vmap(one_task)(jax.random.split(key, num_tasks))
+    train_loss, eval_loss, accuracy, initial_loss = jax.vmap(one_task)(
+        jax.random.split(key, num_tasks)
+    )
     if accuracy is not None:
         accuracy = accuracy.astype(jnp.float32)
-    return TrainingCurves(train_loss.astype(jnp.float32), eval_loss.astype(jnp.float32), accuracy)
+    return TrainingCurves(
+        train_loss.astype(jnp.float32),
+        eval_loss.astype(jnp.float32),
+        accuracy,
+        initial_loss.astype(jnp.float32),
+    )

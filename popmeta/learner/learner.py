@@ -10,7 +10,7 @@ import numpy as np
 
 from popmeta.config import Config
 from popmeta.estimate import Aggregate, Estimate, aggregate
-from popmeta.experiment import initial_theta, learner_keys
+from popmeta.experiment import build_outer_optimizer, initial_theta, learner_keys
 from popmeta.learner.train_state import TrainState, build_apply_estimates_fn, make_outer_optimizer
 
 __all__ = ["Learner", "Update"]
@@ -36,12 +36,7 @@ class Learner:
         self.config = config
         theta = initial_theta(config)
         outer = config.outer_optimizer
-        tx = make_outer_optimizer(
-            outer.name,
-            outer.learning_rate,
-            clip_grad_norm=outer.clip_grad_norm,
-            weight_decay=outer.weight_decay,
-        )
+        tx = make_outer_optimizer(build_outer_optimizer(outer), outer.clip_grad_norm)
         self.state = TrainState.initial_state(theta, tx, learner_keys(config)[1])
         self._step = build_apply_estimates_fn(donate_params_and_state=True)
         self._theta_host: Any = None

@@ -378,53 +378,36 @@ def build_apply_estimates_fn(
 
 
 def make_outer_optimizer(
-    name: str,
-    learning_rate: float | optax.Schedule,
+    transforms: str | Sequence[optax.GradientTransformation],
     clip_grad_norm: float | None = 3.0,
-    weight_decay: float = 0.0,
-    *,
-    momentum: float = 0.9,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    **fields: Any,
 ) -> optax.GradientTransformation:
-    """Builds the meta (outer) optimizer as one optax chain.
+    """Builds the meta (outer) optimizer as one flat optax chain.
 
     The chain is ``clip_by_global_norm(clip_grad_norm)`` (omitted when
-    ``clip_grad_norm`` is None) followed by the optimizer, so clipping acts on
-    the raw estimate, before any weight decay or moment accumulation.
+    ``clip_grad_norm`` is None) followed by the optimizer's transformations,
+    so clipping acts on the raw estimate, before any weight decay or moment
+    accumulation. One flat chain: a checkpoint keys the optimizer state by
+    its place in it.
 
     Args:
-      name: an entry of :data:`popmeta.registry.OUTER_OPTIMIZERS` (``"adam"``,
-        ``"adamw"``, ``"sgd"``, ``"sgdm"``).
-      learning_rate: step size or optax schedule.
+      transforms: the optimizer's transformations, or the name of an outer
+        optimizer kind (``"adam"``, ``"adamw"``, ``"sgd"``, ``"sgdm"``) built
+        with ``fields``.
       clip_grad_norm: max global norm of the incoming gradient, or None.
-      weight_decay: for ``"adamw"``, decoupled weight decay (``optax.adamw``).
-        For the others, coupled L2 decay (``wd * params`` added to the clipped
-        gradient before the optimizer).
-      momentum: momentum of ``"sgdm"``.
-      b1: Adam first-moment decay.
-      b2: Adam second-moment decay.
-      eps: Adam epsilon.
+      **fields: the kind's fields, e.g. ``learning_rate=0.01``.
 
     Returns:
       The optax transformation.
 
     Raises:
-      ValueError: for an unknown name or a non-positive clip norm / negative
-        weight decay.
+      ValueError: for an unknown kind, a field it lacks or out of range, or a
+        non-positive clip norm.
     """
-    if name not in OUTER_OPTIMIZERS:
-        raise ValueError(
-            f"unknown outer optimizer {name!r}; expected one of {OUTER_OPTIMIZERS.names}"
-        )
     if clip_grad_norm is not None and clip_grad_norm <= 0:
         raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-
+    if isinstance(transforms, str):
+        built = OUTER_OPTIMIZERS.resolve(transforms).call(**fields)
+        transforms = built if isinstance(built, list) else [built]
     clip = [] if clip_grad_norm is None else [optax.clip_by_global_norm(clip_grad_norm)]
-    rest = OUTER_OPTIMIZERS.build(
-        name, learning_rate, weight_decay, momentum=momentum, b1=b1, b2=b2, eps=eps
-    )
-    return optax.chain(*clip, *rest)
+    return optax.chain(*clip, *transforms)

@@ -105,6 +105,7 @@ __all__ = [
     "AsyncGather",
     "RayPopulation",
     "SyncGather",
+    "job_runtime_env",
     "starving_after",
     "theta_argument",
 ]
@@ -118,6 +119,21 @@ INLINE_THETA_BYTES = 64 * 1024
 #: How many times the average spacing of one rank's accepted estimates an async
 #: rank may go without one before it is starving (see :func:`starving_after`).
 STARVING_SPACINGS = 8
+
+
+def job_runtime_env(config: Config) -> dict[str, Any] | None:
+    """The job's Ray runtime environment: ``population.runtime_env``, and the modules of the
+    user's kinds the driver found only beside the config file (in ``py_modules``).
+
+    Ray uploads local ``working_dir`` and ``py_modules`` paths from the job's
+    runtime environment only (``ray.init``), never from an actor's; the actors
+    inherit it. None when there is nothing to set.
+    """
+    env = dict(config.population.runtime_env)
+    shipped = [*env.get("py_modules", []), *config.found_modules()]
+    if shipped:
+        env["py_modules"] = list(dict.fromkeys(shipped))
+    return env or None
 
 
 def theta_argument(theta: Any) -> Any:
@@ -316,11 +332,17 @@ class RayPopulation:
         # the population's start go to the first one.
         self._reported_restarts = self._reported_lost = 0
 
+        pickled = ray.cloudpickle.dumps(config)
+
         def actor_args(rank: int, restart: int, pin: tuple[int, ...] | None) -> tuple[Any, ...]:
-            return config, rank, restart, pin
+            return pickled, rank, restart, pin
 
         compiled_method = "compute" if pc.compiled_graph else None
-        self._supervisor = ActorSupervisor(EstimatorActor, actor_args, pc, compiled_method)
+        # Per actor only what Ray merges with the job's environment.
+        actor_env = {"env_vars": dict(pc.env)} if pc.env else None
+        self._supervisor = ActorSupervisor(
+            EstimatorActor, actor_args, pc, compiled_method, actor_env
+        )
         self._policy: SyncGather | AsyncGather
         if pc.mode == "sync":
             self._policy = SyncGather(self._supervisor)

@@ -33,6 +33,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from types import TracebackType
+from typing import Any
 
 from popmeta.config import PopulationConfig
 
@@ -120,6 +121,7 @@ def start_ray(
     num_cpus: int | None = None,
     temp_dir: str | None = None,
     object_store_memory: int | None = None,
+    runtime_env: dict[str, Any] | None = None,
 ) -> RayHandle:
     """Initialises Ray for a run, or reuses the instance already initialised.
 
@@ -132,6 +134,10 @@ def start_ray(
       temp_dir: root of the embedded instance's session files (default Ray's).
         Keep it short: Ray puts Unix sockets under it.
       object_store_memory: object store size of the embedded instance, bytes.
+      runtime_env: the job's runtime environment (local ``working_dir`` and
+        ``py_modules`` are uploaded from here: Ray takes local paths at the
+        job level only). Not applied to an instance already initialised,
+        which keeps its own (a warning says so).
 
     Returns:
       A :class:`RayHandle`; ``shutdown()`` (or leaving the ``with`` block)
@@ -152,13 +158,21 @@ def start_ray(
     import ray
 
     if ray.is_initialized():
+        if runtime_env:
+            logging.getLogger("popmeta").warning(
+                "Ray was initialised before this run: its runtime environment %s is not "
+                "applied; pass it to ray.init(runtime_env=...) yourself",
+                runtime_env,
+            )
         return RayHandle(_gcs_address(), started=False, joined=False)
     route_raylet_messages_to_logging()
 
-    common = {
+    common: dict[str, Any] = {
         "log_to_driver": False,
         "logging_level": logging.WARNING,
     }
+    if runtime_env:
+        common["runtime_env"] = runtime_env
     if embedded:
         # address="local" (never a bare ray.init()): a bare init also reads
         # RAY_ADDRESS and a leftover current-cluster file of a crashed run,
@@ -196,16 +210,24 @@ def _keeping_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def start_ray_for(population: PopulationConfig) -> RayHandle:
+def start_ray_for(
+    population: PopulationConfig, runtime_env: dict[str, Any] | None = None
+) -> RayHandle:
     """:func:`start_ray` for a run's population: joins ``population.address``, or
     starts an embedded instance with enough logical CPUs for every actor.
 
     Logical CPUs are a scheduling budget, not cores: an embedded instance on a
     machine with fewer cores than ``num_actors * num_cpus`` still schedules
     every actor (pinning then spreads them over the real cores).
+
+    Args:
+      population: the run's population section.
+      runtime_env: the job's runtime environment (see :func:`start_ray`).
     """
     needed = math.ceil(population.num_actors * population.num_cpus)
-    return start_ray(population.address, num_cpus=max(os.cpu_count() or 1, needed))
+    return start_ray(
+        population.address, num_cpus=max(os.cpu_count() or 1, needed), runtime_env=runtime_env
+    )
 
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")

@@ -163,6 +163,7 @@ class ActorSupervisor:
       population: resources, placement, timeouts and ``max_actor_restarts``
         of the actors.
       compiled_method: the method :meth:`call_compiled` calls, if any.
+      runtime_env: Ray's runtime environment of every actor; None: the job's.
 
     Raises:
       ActorStartError: an actor's constructor raised.
@@ -178,11 +179,13 @@ class ActorSupervisor:
         actor_args: ActorArgs,
         population: PopulationConfig,
         compiled_method: str | None = None,
+        runtime_env: dict[str, Any] | None = None,
     ):
         self._actor_class = actor_class
         self._actor_args = actor_args
         self._pc = population
         self._compiled_method = compiled_method
+        self._runtime_env = runtime_env
         self._graph: Any = None
         self._graph_members: tuple[tuple[int, int], ...] = ()  # (rank, restart) of each
         self._actors: dict[int, _Actor] = {}
@@ -540,7 +543,7 @@ class ActorSupervisor:
             "num_cpus": pc.num_cpus,
             "num_gpus": pc.num_gpus,
             "resources": dict(pc.resources),
-            "runtime_env": {"env_vars": dict(pc.env)} if pc.env else None,
+            "runtime_env": self._runtime_env or None,
             "max_restarts": 0,
             "max_task_retries": 0,
         }

@@ -43,14 +43,15 @@ def _config(kind="pes", num_tasks=4, truncations_per_call=1, shard_tasks=True, *
     return config_from_dict(
         {
             "seed": 3,
-            "task": {"family": "fixed_dim_quadratic_data", "dim": 4},
+            "task": {"kind": "fixed_dim_quadratic_data", "dim": 4},
             "learned_optimizer": {"kind": "learnable_sgdm"},
             # Trajectories of 12 steps, truncations of 5 and offsets over the whole
             # trajectory: every task ends and restarts within a few calls.
-            "truncation": {"schedule": "constant", "length": 12},
+            "truncation": {"kind": "constant", "length": 12},
             "estimator": {
                 "kind": kind,
-                "trunc_length": 5,
+                # full_es unrolls whole trajectories: it has no truncation length.
+                **({} if kind == "full_es" else {"trunc_length": 5}),
                 "num_tasks": num_tasks,
                 "random_initial_iteration_offset": 12,
                 "truncations_per_call": truncations_per_call,

@@ -93,14 +93,14 @@ def _config(**task_and_estimator):
 
 
 def test_meta_loss_split_config_reaches_the_step_and_data_free_families_refuse_it():
-    cfg = _config(task={"family": "image_mlp_digits"}, meta_loss_split="outer_valid")
+    cfg = _config(task={"kind": "image_mlp_digits"}, meta_loss_split="outer_valid")
     assert build_truncated_step(cfg).meta_loss_split == "outer_valid"
     assert build_truncated_step(_config()).meta_loss_split is None
     # The noisy quadratics have data (and so an outer_valid split).
-    _config(task={"family": "fixed_dim_quadratic_data"}, meta_loss_split="outer_valid")
+    _config(task={"kind": "fixed_dim_quadratic_data"}, meta_loss_split="outer_valid")
     for family in ("quadratic", "fixed_dim_quadratic"):
         with pytest.raises(ConfigError, match=rf"estimator\.meta_loss_split: .*{family!r}"):
-            _config(task={"family": family}, meta_loss_split="outer_valid")
+            _config(task={"kind": family}, meta_loss_split="outer_valid")
     with pytest.raises(ConfigError, match=r"estimator\.meta_loss_split: expected one of"):
         _config(meta_loss_split="valid")
 
@@ -253,7 +253,7 @@ def test_a_mixture_estimate_is_its_groups_estimates_combined():
 
 def test_mixture_config_builds_the_split_and_bad_mixtures_fail_naming_the_field():
     cfg = _config(
-        task={"family": "conv_digits", "families": {"conv_digits": 1, "image_mlp_digits4": 3}},
+        task={"kind": "conv_digits", "mixture": {"conv_digits": 1, "image_mlp_digits4": 3}},
         num_tasks=4,
     )
     step = build_truncated_step(cfg)
@@ -263,44 +263,66 @@ def test_mixture_config_builds_the_split_and_bad_mixtures_fail_naming_the_field(
     # Every worker (and every rebuild) gets the same split: one state template for all.
     np.testing.assert_array_equal(build_truncated_step(cfg).family_of_task, step.family_of_task)
     bad = {
-        r"task\.families\.nope: unknown task family": {
-            "family": "quadratic",
-            "families": {"quadratic": 1, "nope": 1},
+        r"task\.mixture\.nope\.kind: expected one of 'quadratic'.*got 'nope'": {
+            "kind": "quadratic",
+            "mixture": {"quadratic": 1, "nope": 1},
         },
-        r"task\.families\.quadratic: weight must be > 0": {
-            "family": "quadratic",
-            "families": {"quadratic": 0},
+        r"task\.mixture\.quadratic\.weight: must be > 0": {
+            "kind": "quadratic",
+            "mixture": {"quadratic": 0},
         },
-        r"task\.family: with task\.families set.*'conv_digits'": {"families": {"conv_digits": 1}},
-        r"task\.npz_path: is required": {
-            "family": "quadratic",
-            "families": {"quadratic": 1, "image_mlp_npz": 1},
+        r"task\.kind: with task\.mixture set.*'curved_quadratic'": {"mixture": {"conv_digits": 1}},
+        r"task\.mixture\.image_mlp_npz\.npz_path: kind 'image_mlp_npz' needs it": {
+            "kind": "quadratic",
+            "mixture": {"quadratic": 1, "image_mlp_npz": 1},
+        },
+        # A member with fields of its own: the task section must match one member whole.
+        r"task\.kind: with task\.mixture set": {
+            "kind": "quadratic",
+            "options": None,
+            "dim": 3,
+            "mixture": {"quadratic": {"weight": 1.0, "dim": 4}},
         },
     }
     for match, task in bad.items():
+        task = {k: v for k, v in task.items() if k != "options"}
         with pytest.raises(ConfigError, match=match):
             _config(task=task)
     three = {
-        "family": "quadratic",
-        "families": {"quadratic": 1, "conv_digits": 1, "image_mlp_digits": 1},
+        "kind": "quadratic",
+        "mixture": {"quadratic": 1, "conv_digits": 1, "image_mlp_digits": 1},
     }
-    with pytest.raises(ConfigError, match=r"task\.families: 3 families need .*num_tasks is 2"):
+    with pytest.raises(ConfigError, match=r"task\.mixture: 3 families need .*num_tasks is 2"):
         _config(task=three)
     with pytest.raises(
-        ConfigError, match=r"estimator\.meta_loss_split: .*task\.families\.quadratic"
+        ConfigError, match=r"estimator\.meta_loss_split: .*task\.mixture\.quadratic\.kind"
     ):
         _config(
-            task={**three, "families": {"quadratic": 1, "conv_digits": 1}},
+            task={**three, "mixture": {"quadratic": 1, "conv_digits": 1}},
             meta_loss_split="outer_valid",
         )
+    # Members may carry their own fields and labels of their own.
+    labelled = _config(
+        task={
+            "kind": "quadratic",
+            "dim": 3,
+            "mixture": {
+                "small": {"kind": "quadratic", "dim": 3},
+                "large": {"kind": "quadratic", "dim": 5, "weight": 3},
+            },
+        },
+        num_tasks=4,
+    )
+    step = build_truncated_step(labelled)
+    assert step.family_names == ("small", "large") and [g.num_tasks for g in step.groups] == [1, 3]
 
 
 def test_a_mixture_run_writes_the_meta_loss_of_every_family(tmp_path):
     config = local_config(
         tmp_path,
         task={
-            "family": "fixed_dim_quadratic",
-            "families": {"fixed_dim_quadratic": 1.0, "fixed_dim_quadratic_data": 1.0},
+            "kind": "fixed_dim_quadratic",
+            "mixture": {"fixed_dim_quadratic": 1.0, "fixed_dim_quadratic_data": 1.0},
         },
         estimator={"num_tasks": 3},
         train={"num_steps": 2, "checkpoint_every": 2, "summary_every": 1},
@@ -335,7 +357,7 @@ def test_parametric_family_draws_architectures_from_the_seed_and_trains_them_as_
         ParametricImageMLPFamily(family.data, activations=("swish",))
 
     cfg = _config(
-        task={"family": "parametric_image_mlp_digits", "parametric_groups": 2},
+        task={"kind": "parametric_image_mlp_digits", "groups": 2},
         num_tasks=4,
         meta_loss_split="outer_valid",
     )

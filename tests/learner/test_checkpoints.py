@@ -225,7 +225,7 @@ def test_train_state_round_trip_and_resume(tmp_path):
         make_outer_optimizer,
     )
 
-    tx = make_outer_optimizer("adam", 0.1)
+    tx = make_outer_optimizer("adam", 3.0, learning_rate=0.1)
     apply = build_apply_estimate_fn()
 
     def fresh():

@@ -15,10 +15,10 @@ from popmeta.learner.train_state import build_apply_estimates_fn
 CONFIG = config_from_dict(
     {
         "name": "learner",
-        "task": {"family": "fixed_dim_quadratic", "dim": 4},
+        "task": {"kind": "fixed_dim_quadratic", "dim": 4},
         "learned_optimizer": {"kind": "mlp"},
         "estimator": {"kind": "pes", "num_tasks": 2, "trunc_length": 5},
-        "outer_optimizer": {"name": "adam", "learning_rate": 0.01},
+        "outer_optimizer": {"kind": "adam", "learning_rate": 0.01},
         "population": {"engine": "local", "num_actors": 1},
     },
     source="test",

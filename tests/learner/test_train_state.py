@@ -54,7 +54,7 @@ def test_train_state_is_pytree_with_static_tx():
 
 def test_linear_regression_converges():
     batch, w_true = _linreg_data()
-    tx = make_outer_optimizer("adam", 0.1, clip_grad_norm=None)
+    tx = make_outer_optimizer("adam", None, learning_rate=0.1)
     state = TrainState.initial_state(_params(), tx, jax.random.key(0), loss_fn_state=jnp.array(0))
     step = build_train_step_fn(_linreg_loss)
     first_loss = None
@@ -89,7 +89,7 @@ def test_step_rng_is_fold_in_of_root_rng_and_step():
 @pytest.mark.parametrize("donate", [True, False])
 def test_donation_deletes_old_buffers(donate):
     batch, _ = _linreg_data()
-    tx = make_outer_optimizer("adam", 0.1)
+    tx = make_outer_optimizer("adam", 3.0, learning_rate=0.1)
     old = TrainState.initial_state(_params(), tx, jax.random.key(0), loss_fn_state=jnp.array(0))
     step = build_train_step_fn(_linreg_loss, donate_params_and_state=donate)
     new, _ = step(old, batch)
@@ -111,7 +111,7 @@ def test_apply_estimate_matches_hand_applied_adam():
         {"w": jnp.array([0.1, 0.2, -0.3]), "b": jnp.array(1.0)},
         {"w": jnp.array([-0.5, 0.0, 0.4]), "b": jnp.array(-2.0)},
     ]
-    tx = make_outer_optimizer("adam", 0.01, clip_grad_norm=None)
+    tx = make_outer_optimizer("adam", None, learning_rate=0.01)
     state = TrainState.initial_state(params, tx, jax.random.key(0))
     apply = build_apply_estimate_fn()
 
@@ -137,7 +137,7 @@ def test_apply_estimate_matches_hand_applied_adam():
 def test_clipping_by_global_norm_clips():
     params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
     big = {"a": jnp.array([30.0, 0.0]), "b": jnp.array([0.0, 40.0])}  # global norm 50
-    tx = make_outer_optimizer("sgd", 1.0, clip_grad_norm=5.0)
+    tx = make_outer_optimizer("sgd", 5.0, learning_rate=1.0)
     state = TrainState.initial_state(params, tx, jax.random.key(0))
     new, metrics = build_apply_estimate_fn()(state, big)
     assert float(metrics["grad_norm"]) == pytest.approx(50.0)
@@ -166,7 +166,7 @@ def test_apply_estimates_takes_the_weighted_mean_of_host_arrays():
     originals = [jax.tree.map(np.copy, g) for g in grads]
     params = {"a": jnp.zeros(1000), "b": jnp.ones(3)}
     # Plain SGD with rate 1 and no clipping: the step is the mean itself.
-    tx = make_outer_optimizer("sgd", 1.0, clip_grad_norm=None)
+    tx = make_outer_optimizer("sgd", None, learning_rate=1.0)
     state = TrainState.initial_state(params, tx, jax.random.key(0))
     step = build_apply_estimates_fn(donate_params_and_state=True)
     new, metrics, applied = step(state, grads, weights)
@@ -193,7 +193,7 @@ def test_apply_estimates_equals_apply_estimate_of_the_mean():
     mean = jax.tree.map(
         lambda *leaves: sum(w * x for w, x in zip(weights, leaves, strict=True)), *grads
     )
-    tx = make_outer_optimizer("adam", 0.01)
+    tx = make_outer_optimizer("adam", 3.0, learning_rate=0.01)
     params = {"a": jnp.linspace(-1, 1, 1000), "b": jnp.zeros(3)}
     fused = TrainState.initial_state(params, tx, jax.random.key(0))
     separate = TrainState.initial_state(params, tx, jax.random.key(0))
@@ -219,7 +219,7 @@ def test_apply_estimates_leaves_the_state_alone_when_the_mean_is_not_usable(bad)
     grads = _host_estimates(weights, seed=5)
     # NaN or inf in one estimate; or finite values whose squares overflow float32.
     grads[1]["a"][7] = bad
-    tx = make_outer_optimizer("adam", 0.01)
+    tx = make_outer_optimizer("adam", 3.0, learning_rate=0.01)
     params = {"a": jnp.linspace(-1, 1, 1000), "b": jnp.zeros(3)}
     state = TrainState.initial_state(params, tx, jax.random.key(0))
     state, _, _ = build_apply_estimates_fn()(state, grads[:1], weights[:1] * 2)
@@ -236,7 +236,7 @@ def test_apply_estimates_leaves_the_state_alone_when_the_mean_is_not_usable(bad)
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "sgdm"])
 def test_make_outer_optimizer_names(name):
-    tx = make_outer_optimizer(name, 0.1, weight_decay=0.01)
+    tx = make_outer_optimizer(name, 3.0, learning_rate=0.1, weight_decay=0.01)
     params = {"w": jnp.ones(2)}
     updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
     assert np.all(np.asarray(updates["w"]) < 0)
@@ -244,11 +244,11 @@ def test_make_outer_optimizer_names(name):
 
 def test_make_outer_optimizer_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rmsprop"):
-        make_outer_optimizer("rmsprop", 0.1)
+        make_outer_optimizer("rmsprop", 3.0, learning_rate=0.1)
     with pytest.raises(ValueError, match="clip_grad_norm"):
-        make_outer_optimizer("adam", 0.1, clip_grad_norm=0.0)
+        make_outer_optimizer("adam", 0.0, learning_rate=0.1)
     with pytest.raises(ValueError, match="weight_decay"):
-        make_outer_optimizer("adam", 0.1, weight_decay=-1.0)
+        make_outer_optimizer("adam", 3.0, learning_rate=0.1, weight_decay=-1.0)
 
 
 # The sharding check needs several devices, which XLA only fakes on CPU if the
@@ -272,7 +272,7 @@ _SHARDING_SCRIPT = textwrap.dedent(
 
     x = jax.random.normal(jax.random.key(0), (16, 8))
     batch = {"x": x, "y": x @ jnp.arange(8.0)}
-    tx = make_outer_optimizer("adam", 0.1)
+    tx = make_outer_optimizer("adam", 3.0, learning_rate=0.1)
 
     def fresh_state():
         # Separate buffers per run: device_put may alias its source, and the

@@ -39,9 +39,9 @@ def tiny_config(
             "name": "test",
             "seed": seed,
             "run_dir": run_dir,
-            "task": {"family": "fixed_dim_quadratic", "dim": 4},
+            "task": {"kind": "fixed_dim_quadratic", "dim": 4},
             "learned_optimizer": {"kind": "learnable_sgdm"},
-            "truncation": {"schedule": "constant", "length": 20},
+            "truncation": {"kind": "constant", "length": 20},
             "estimator": {
                 "kind": "pes",
                 "num_tasks": num_tasks,
@@ -49,7 +49,7 @@ def tiny_config(
                 "std": 0.01,
                 "random_initial_iteration_offset": 20,
             },
-            "outer_optimizer": {"name": "adam", "learning_rate": 0.01},
+            "outer_optimizer": {"kind": "adam", "learning_rate": 0.01},
             "population": {
                 "engine": "ray",
                 "num_actors": 2,

@@ -128,7 +128,7 @@ def test_cli_joins_a_running_cluster_and_leaves_it_running(nodes, tmp_path, how)
         "popmeta.cli",
         "train",
         "--set",
-        "task.family=fixed_dim_quadratic",
+        "task.kind=fixed_dim_quadratic",
         "--set",
         "task.dim=4",
         "--set",

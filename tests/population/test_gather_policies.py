@@ -116,8 +116,14 @@ def test_sync_round_waits_for_a_replacement_when_no_other_actor_is_left(ray_sess
 # ---------------------------------------------------------------------- async
 
 
-def slow_rank_outcome(starvation_guard: bool, replies: int = 16) -> dict[str, Any]:
-    """Async updates with two fast actors and one 150x slower, until it replied ``replies`` times.
+def slow_rank_outcome(starvation_guard: bool, replies: int = 12) -> dict[str, Any]:
+    """Async updates with two fast actors and one 500x slower, until it replied ``replies`` times.
+
+    The slow actor must stay slower than ``starving_after(3, 2)`` (16) learner
+    updates per call on a loaded machine too, where every fast call takes a
+    few milliseconds more than its 2 ms: with 0.3 s it did not (11 of 16
+    accepted with the cores busy), with 1 s it is 60x slower even at 15 ms
+    per fast call.
 
     Returns:
       The slow rank's replies, how many were accepted (late ones among them)
@@ -125,7 +131,7 @@ def slow_rank_outcome(starvation_guard: bool, replies: int = 16) -> dict[str, An
       of all accepted estimates (what theta sees of it).
     """
     slow = 2
-    sup = supervisor([0.002, 0.002, 0.3])
+    sup = supervisor([0.002, 0.002, 1.0])
     policy = AsyncGather(
         sup,
         batch_size=2,

@@ -5,6 +5,10 @@ from popmeta.core.learned_optimizers.as_optax import LearnedOptimizerState, as_o
 from popmeta.core.learned_optimizers.base import LearnedOptimizer
 from popmeta.core.learned_optimizers.learnable import LearnableAdam, LearnableSGD, LearnableSGDM
 from popmeta.core.learned_optimizers.mlp_lopt import MLPLOpt, MLPLOptState
+from popmeta.core.learned_optimizers.normalized_mlp_lopt import (
+    NormalizedMLPLOpt,
+    NormalizedMLPLOptState,
+)
 
 __all__ = [
     "AdamMLPLOpt",
@@ -16,5 +20,7 @@ __all__ = [
     "LearnedOptimizerState",
     "MLPLOpt",
     "MLPLOptState",
+    "NormalizedMLPLOpt",
+    "NormalizedMLPLOptState",
     "as_optax",
 ]

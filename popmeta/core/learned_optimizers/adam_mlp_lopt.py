@@ -44,12 +44,17 @@ import numpy as np
 import optax
 
 from popmeta.core import tree_utils
-from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
+from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams, OptimizerOfTheta
 from popmeta.core.learned_optimizers.features import (
     DEFAULT_DECAYS,
+    HORIZON_CENTERS,
+    SHORT_TIMESCALES,
+    adam_directions,
+    checked_num_steps,
     mlp_init,
     num_per_parameter_features,
     per_parameter_mlp,
+    time_and_horizon_features,
     update_accumulators,
     zero_accumulators,
 )
@@ -58,11 +63,6 @@ from popmeta.core.optimizers import Optimizer
 __all__ = ["AdamMLPLOpt", "AdamMLPLOptState"]
 
 Params = Any
-
-SHORT_TIMESCALES: tuple[float, ...] = (1, 3, 10, 30)
-HORIZON_CENTERS: tuple[float, ...] = (0.1, 0.5, 0.9)
-#: Sharpness of the ``tanh(8 (f - c))`` horizon features.
-_HORIZON_SHARPNESS = 8.0
 
 
 class AdamMLPLOptState(NamedTuple):
@@ -87,29 +87,20 @@ class AdamMLPLOptState(NamedTuple):
     replace = tree_utils.replace
 
 
-class _AdamMLPLOptOptimizer(Optimizer):
-    """The inner optimizer of one ``theta`` (may be a tracer)."""
-
-    def __init__(self, lopt: AdamMLPLOpt, theta: MetaParams):
-        self._lopt = lopt
-        self._theta = theta
+class _AdamMLPLOptOptimizer(OptimizerOfTheta):
+    _lopt: AdamMLPLOpt
 
     def init(
         self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
     ) -> AdamMLPLOptState:
         del key
-        if num_steps is None:
-            raise ValueError(
-                "AdamMLPLOpt reads how far through its run it is: pass num_steps, the planned "
-                "number of inner steps, to init(params, num_steps=...)"
-            )
         momentums, rms = zero_accumulators(params, len(self._lopt.decays))
         return AdamMLPLOptState(
             params=params,
             momentums=momentums,
             rms=rms,
             iteration=jnp.asarray(0, jnp.int32),
-            num_steps=jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0),
+            num_steps=checked_num_steps(self._lopt.name, num_steps),
         )
 
     def step(
@@ -126,26 +117,21 @@ class _AdamMLPLOptOptimizer(Optimizer):
         )
         iteration = jnp.asarray(state.iteration, jnp.float32)
         shared = lopt.shared_features(iteration, state.num_steps)
-        # Adam's bias corrections for the step being taken (the first is step 1).
-        t = iteration + 1.0
-        momentum_correction = 1.0 - jnp.float32(lopt.beta1) ** t
-        rms_correction = 1.0 - jnp.float32(lopt.rms_decay) ** t
         lr = jnp.exp(self._theta["log_lr"])
-
+        directions = adam_directions(
+            momentums, rms, iteration, lopt.beta1_index, lopt.beta1, lopt.rms_decay, lopt.epsilon
+        )
         corrections, log_scales = per_parameter_mlp(
             self._theta["mlp"], state.params, grad, momentums, rms, shared, lopt.epsilon
         )
 
         def tensor_update(
-            p: jax.Array, m: jax.Array, v: jax.Array, correction: jax.Array, log_scale: jax.Array
+            p: jax.Array, adam_direction: jax.Array, correction: jax.Array, log_scale: jax.Array
         ) -> jax.Array:
-            m_hat = m[..., lopt.beta1_index] / momentum_correction
-            v_hat = v / rms_correction
-            adam_direction = m_hat / (jnp.sqrt(v_hat) + lopt.epsilon)
             step = lr * jnp.exp(log_scale) * (adam_direction + correction)
             return -step.astype(p.dtype)
 
-        updates = jax.tree.map(tensor_update, state.params, momentums, rms, corrections, log_scales)
+        updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
         following = state._replace(
             params=optax.apply_updates(state.params, updates),
             momentums=momentums,
@@ -214,11 +200,9 @@ class AdamMLPLOpt(LearnedOptimizer):
 
     def shared_features(self, iteration: jax.Array, num_steps: jax.Array) -> jax.Array:
         """The time and horizon features every parameter reads at ``iteration``."""
-        short = jnp.tanh(iteration / jnp.asarray(self.timescales, jnp.float32) - 1.0)
-        fraction = iteration / num_steps
-        centers = jnp.asarray(self.horizon_centers, jnp.float32)
-        horizon = jnp.tanh(_HORIZON_SHARPNESS * (fraction - centers))
-        return jnp.concatenate([short, fraction[None], horizon])
+        return time_and_horizon_features(
+            iteration, num_steps, self.timescales, self.horizon_centers
+        )
 
     def init(self, key: jax.Array) -> MetaParams:
         sizes = (self.num_features, *([self.hidden_size] * self.hidden_layers), 2)

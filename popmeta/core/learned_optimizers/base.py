@@ -8,7 +8,7 @@ import jax
 
 from popmeta.core.optimizers import Optimizer
 
-__all__ = ["LearnedOptimizer", "MetaParams"]
+__all__ = ["LearnedOptimizer", "MetaParams", "OptimizerOfTheta"]
 
 MetaParams = Any
 """A pytree of float32 arrays (theta)."""
@@ -47,3 +47,11 @@ class LearnedOptimizer:
     @property
     def name(self) -> str:
         return type(self).__name__
+
+
+class OptimizerOfTheta(Optimizer):
+    """The inner optimizer a learned optimizer makes of one ``theta`` (which may be a tracer)."""
+
+    def __init__(self, lopt: LearnedOptimizer, theta: MetaParams):
+        self._lopt = lopt
+        self._theta = theta

@@ -18,10 +18,15 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_DECAYS",
+    "HORIZON_CENTERS",
+    "SHORT_TIMESCALES",
+    "adam_directions",
+    "checked_num_steps",
     "mlp_init",
     "num_per_parameter_features",
     "per_parameter_features",
     "per_parameter_mlp",
+    "time_and_horizon_features",
     "update_accumulators",
     "zero_accumulators",
 ]
@@ -30,6 +35,12 @@ Params = Any
 
 #: Momentum EMA decays of the reference MLPLOpt.
 DEFAULT_DECAYS: tuple[float, ...] = (0.5, 0.9, 0.99)
+#: Timescales (in steps) of the short time features: where a run is in its first steps.
+SHORT_TIMESCALES: tuple[float, ...] = (1, 3, 10, 30)
+#: Fractions of the run where a ``tanh`` horizon feature switches sign.
+HORIZON_CENTERS: tuple[float, ...] = (0.1, 0.5, 0.9)
+#: Sharpness of the ``tanh(8 (f - c))`` horizon features.
+_HORIZON_SHARPNESS = 8.0
 #: Per-parameter features besides the per-decay ones: ``p``, ``g``, ``v``, ``1/sqrt(v)``.
 _NUM_PER_PARAMETER_BASE = 4
 
@@ -59,12 +70,75 @@ def update_accumulators(
     return momentums, rms
 
 
+def checked_num_steps(name: str, num_steps: int | jax.Array | None) -> jax.Array:
+    """``num_steps`` as a float32 scalar of at least 1, for optimizers that read the horizon."""
+    if num_steps is None:
+        raise ValueError(
+            f"{name} reads how far through its run it is: pass num_steps, the planned "
+            "number of inner steps, to init(params, num_steps=...)"
+        )
+    return jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0)
+
+
+def time_and_horizon_features(
+    iteration: jax.Array,
+    num_steps: jax.Array,
+    timescales: Sequence[float],
+    horizon_centers: Sequence[float],
+) -> jax.Array:
+    """The time features every parameter reads at ``iteration`` (float32) of a ``num_steps`` run.
+
+    ``tanh(iteration / timescale - 1)`` for each of ``timescales`` (the first
+    steps, while accumulators fill), the fraction of the run done
+    ``f = iteration / num_steps`` and ``tanh(8 (f - c))`` for each of
+    ``horizon_centers``. None reads the absolute number of steps beyond the
+    short timescales, so a run ``k`` times longer than any trained on feeds
+    the same range of inputs.
+    """
+    short = jnp.tanh(iteration / jnp.asarray(timescales, jnp.float32) - 1.0)
+    fraction = iteration / num_steps
+    centers = jnp.asarray(horizon_centers, jnp.float32)
+    horizon = jnp.tanh(_HORIZON_SHARPNESS * (fraction - centers))
+    return jnp.concatenate([short, fraction[None], horizon])
+
+
+def adam_directions(
+    momentums: Params,
+    rms: Params,
+    iteration: jax.Array,
+    beta1_index: int,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+) -> Params:
+    """Adam's bias-corrected direction ``m_hat / (sqrt(v_hat) + epsilon)`` for every parameter.
+
+    ``momentums`` and ``rms`` are the accumulators after this step's update;
+    ``iteration`` (float32) counts the steps before it, so the first step's
+    corrections are ``1 - beta ** 1``.
+    """
+    t = iteration + 1.0
+    momentum_correction = 1.0 - jnp.float32(beta1) ** t
+    rms_correction = 1.0 - jnp.float32(beta2) ** t
+
+    def direction(m: jax.Array, v: jax.Array) -> jax.Array:
+        m_hat = m[..., beta1_index] / momentum_correction
+        return m_hat / (jnp.sqrt(v / rms_correction) + epsilon)
+
+    return jax.tree.map(direction, momentums, rms)
+
+
 def _second_moment_normalize(x: jax.Array, axes: tuple[int, ...], eps: float = 1e-5) -> jax.Array:
     return x * jax.lax.rsqrt(eps + jnp.mean(jnp.square(x), axis=axes, keepdims=True))
 
 
 def per_parameter_features(
-    p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array, epsilon: float
+    p: jax.Array,
+    g: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    epsilon: float,
+    normalize_epsilon: float = 1e-5,
 ) -> jax.Array:
     """``[4 + 2 * num_decays, p.size]`` features of one tensor, normalised over the tensor.
 
@@ -73,7 +147,8 @@ def per_parameter_features(
     order: ``p``, ``g``, the momentums ``m`` (one row per decay), ``v``, the
     Adam-like ratios ``m / sqrt(v + epsilon)`` and ``1 / sqrt(v + epsilon)``,
     each divided by its root mean square over the tensor, which makes the
-    optimizer invariant to each tensor's gradient and parameter scale. A
+    optimizer invariant to each tensor's gradient and parameter scale where
+    the mean squares are well above ``normalize_epsilon`` (added to them). A
     scalar tensor is treated as a tensor of one element.
     """
     size = p.size
@@ -81,7 +156,7 @@ def per_parameter_features(
     m = m.reshape(size, -1).T
     inv_rms = jax.lax.rsqrt(v + epsilon)
     features = jnp.concatenate([p, g, m, v, m * inv_rms, inv_rms], axis=0)
-    return _second_moment_normalize(features, (1,))
+    return _second_moment_normalize(features, (1,), normalize_epsilon)
 
 
 def mlp_init(key: jax.Array, sizes: Sequence[int], output_init_scale: float) -> Params:
@@ -174,6 +249,7 @@ def per_parameter_mlp(
     rms: Params,
     shared: jax.Array,
     epsilon: float,
+    normalize_epsilon: float = 1e-5,
 ) -> tuple[Params, Params]:
     """The MLP's two outputs for every parameter, as two params-shaped pytrees.
 
@@ -193,7 +269,7 @@ def per_parameter_mlp(
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
     columns = [
-        per_parameter_features(p, g, m, v, epsilon)
+        per_parameter_features(p, g, m, v, epsilon, normalize_epsilon)
         for p, g, m, v in zip(
             leaves,
             treedef.flatten_up_to(grad),

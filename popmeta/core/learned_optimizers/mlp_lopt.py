@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 
 from popmeta.core import tree_utils
-from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams
+from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams, OptimizerOfTheta
 from popmeta.core.learned_optimizers.features import (
     DEFAULT_DECAYS,
     mlp_init,
@@ -90,12 +90,8 @@ class MLPLOptState(NamedTuple):
     replace = tree_utils.replace
 
 
-class _MLPLOptOptimizer(Optimizer):
-    """The inner optimizer of one ``theta`` (may be a tracer)."""
-
-    def __init__(self, lopt: MLPLOpt, theta: MetaParams):
-        self._lopt = lopt
-        self._theta = theta
+class _MLPLOptOptimizer(OptimizerOfTheta):
+    _lopt: MLPLOpt
 
     def init(
         self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None

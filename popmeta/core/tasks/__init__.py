@@ -36,6 +36,7 @@ from popmeta.core.tasks.quadratics import (
     FixedDimQuadraticFamilyData,
     QuadraticTask,
 )
+from popmeta.core.tasks.rescaled import RescaledFamily, RescaledTaskParams, ScaleRange
 
 __all__ = [
     "ACTIVATIONS",
@@ -57,6 +58,9 @@ __all__ = [
     "ParametricImageMLPFamily",
     "ParametricImageMLP_Digits8",
     "QuadraticTask",
+    "RescaledFamily",
+    "RescaledTaskParams",
+    "ScaleRange",
     "Task",
     "TaskFamily",
     "load_digits_8x8",

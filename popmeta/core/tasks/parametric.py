@@ -76,6 +76,8 @@ class ParametricImageMLPFamily(TaskFamily):
       batch_sizes: batch sizes to draw from.
       num_classes: number of output logits.
       nominal: the member used where one family is needed (meta-testing).
+      num_groups: architectures a worker trains at once (each a group of task
+        slots with its own compile), drawn from the run's seed.
 
     Raises:
       ValueError: on an empty choice, a non-positive size or an unknown activation.
@@ -90,7 +92,10 @@ class ParametricImageMLPFamily(TaskFamily):
         batch_sizes: Sequence[int] = (32, 64, 128),
         num_classes: int = 10,
         nominal: ImageMLPConfig = NOMINAL,
+        num_groups: int = 3,
     ):
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1; got {num_groups!r}")
         for field, values in (("widths", widths), ("depths", depths), ("batch_sizes", batch_sizes)):
             if not values or any(int(v) != v or v < 1 for v in values):
                 raise ValueError(f"{field} must be positive integers; got {tuple(values)!r}")
@@ -106,6 +111,7 @@ class ParametricImageMLPFamily(TaskFamily):
         self.batch_sizes = tuple(int(b) for b in batch_sizes)
         self.num_classes = num_classes
         self.nominal = nominal
+        self.num_groups = int(num_groups)
         self._nominal_family = self.family_of(nominal)
         self.datasets = self._nominal_family.datasets
 

@@ -1,0 +1,319 @@
+"""NormalizedMLPLOpt: a per-parameter MLP's direction, RMS-normalized per tensor, times a learned schedule.
+
+The update rule of the generalist learned optimizer, after the elements Celo
+(2025) and Celo2 (ICLR 2026) credit for stability far outside the training
+distribution:
+
+    a       = m_hat / (sqrt(v_hat) + epsilon)            Adam's direction, per parameter
+    d, s    = MLP(per-parameter features, global features)
+    u       = exp(bound(s)) * (a + d)
+    n       = u / rms(u)                                  RMS over each tensor, every step
+    lr      = exp(log_lr + bound(schedule(global features))) * external(f)
+    p      <- p - lr * n
+
+Every tensor moves by exactly ``lr`` in root mean square, whatever the
+MLP outputs, so no input the MLP never saw can make a step explode; the MLP
+chooses the direction and how the step is shared within a tensor, and a small
+second MLP over the global features (training progress and normalized loss)
+chooses the step size, like a learned learning-rate schedule. ``external``
+is an optional fixed schedule of the fraction of the run done ``f``
+(``cosine``: ``(1 + cos(pi f)) / 2``; ``linear``: ``1 - f``).
+
+Both MLPs' output layers start at zero, so an untrained theta is Adam with its
+update RMS-normalized per tensor and learning rate ``initial_lr``: each
+tensor's Adam step rescaled to root mean square ``initial_lr`` (the per-tensor
+update normalization of LAMB-like rules, without a trust ratio).
+
+Global features (read by both MLPs, the same for every parameter):
+:func:`~popmeta.core.learned_optimizers.features.time_and_horizon_features`
+(short timescales 1 to 30 steps, the fraction of the run done
+``f = iteration / num_steps`` and ``tanh(8 (f - c))`` for ``c`` in 0.1, 0.5,
+0.9) and, with ``loss_features``, two normalized loss features:
+``(l - l0) / (|l| + |l0|)`` against the run's first loss ``l0`` and
+``(l - e) / (|l| + |e|)`` against an EMA ``e`` of the loss (decay 0.9), each
+in [-1, 1] for losses of any sign and scale. No feature reads the absolute
+number of steps past 30, so a run 10x longer than any trained on feeds the
+same range of inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from popmeta.core import tree_utils
+from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams, OptimizerOfTheta
+from popmeta.core.learned_optimizers.features import (
+    DEFAULT_DECAYS,
+    HORIZON_CENTERS,
+    SHORT_TIMESCALES,
+    adam_directions,
+    checked_num_steps,
+    mlp_init,
+    num_per_parameter_features,
+    per_parameter_mlp,
+    time_and_horizon_features,
+    update_accumulators,
+    zero_accumulators,
+)
+from popmeta.core.optimizers import Optimizer
+
+__all__ = ["EXTERNAL_SCHEDULES", "NormalizedMLPLOpt", "NormalizedMLPLOptState"]
+
+Params = Any
+
+#: Fixed multipliers of the step size, by name, as functions of the fraction of the run done.
+EXTERNAL_SCHEDULES = {
+    "constant": lambda f: jnp.ones_like(f),
+    "cosine": lambda f: 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.clip(f, 0.0, 1.0))),
+    "linear": lambda f: 1.0 - jnp.clip(f, 0.0, 1.0),
+}
+#: The learned log step-size offset and per-parameter log-scale stay within +- this.
+_LOG_SCALE_BOUND = 4.0
+_LOSS_EMA_DECAY = 0.9
+#: Added to a feature's mean square before it is normalized: far below float32's squares of
+#: gradients, so a tensor's features are the same at any gradient scale (MLPLOpt's 1e-5 is not).
+_FEATURE_EPSILON = 1e-30
+#: Added under the square root of the per-tensor RMS: a tensor whose gradients are all zero stays put.
+_RMS_EPSILON = 1e-30
+
+
+def _bounded(x: jax.Array) -> jax.Array:
+    return _LOG_SCALE_BOUND * jnp.tanh(x / _LOG_SCALE_BOUND)
+
+
+def _finite_or_zero(x: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+def _relative(loss: jax.Array, reference: jax.Array) -> jax.Array:
+    """``(loss - reference) / (|loss| + |reference|)`` in [-1, 1]; 0 for non-finite inputs."""
+    ratio = (loss - reference) / (jnp.abs(loss) + jnp.abs(reference) + 1e-12)
+    return _finite_or_zero(ratio)
+
+
+class NormalizedMLPLOptState(NamedTuple):
+    """State of the optimizer produced by :class:`NormalizedMLPLOpt`.
+
+    Attributes:
+      params: Current parameters.
+      momentums: Params-shaped pytree; each leaf has a trailing axis of size
+        ``len(decays)`` holding the gradient EMAs.
+      rms: Params-shaped pytree of squared-gradient EMAs.
+      iteration: Number of updates applied so far (int32 scalar).
+      num_steps: Planned length of the inner run (float32 scalar).
+      initial_loss: The loss at the first step (float32; 0 before it).
+      loss_ema: EMA of the loss (float32; the first loss before the second step).
+    """
+
+    params: Params
+    momentums: Params
+    rms: Params
+    iteration: jax.Array
+    num_steps: jax.Array
+    initial_loss: jax.Array
+    loss_ema: jax.Array
+
+    replace = tree_utils.replace
+
+
+class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
+    _lopt: NormalizedMLPLOpt
+
+    def init(
+        self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
+    ) -> NormalizedMLPLOptState:
+        del key
+        momentums, rms = zero_accumulators(params, len(self._lopt.decays))
+        zero = jnp.asarray(0.0, jnp.float32)
+        return NormalizedMLPLOptState(
+            params=params,
+            momentums=momentums,
+            rms=rms,
+            iteration=jnp.asarray(0, jnp.int32),
+            num_steps=checked_num_steps(self._lopt.name, num_steps),
+            initial_loss=zero,
+            loss_ema=zero,
+        )
+
+    def _loss_features(
+        self, state: NormalizedMLPLOptState, loss: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The loss features and the state's next ``initial_loss`` and ``loss_ema``."""
+        if loss is None:
+            raise ValueError(f"{self._lopt.name} reads the loss: pass loss= to update or step")
+        loss = jnp.asarray(loss, jnp.float32)
+        first = state.iteration == 0
+        # A non-finite first loss leaves no reference (0) rather than a NaN for the whole run.
+        initial = _finite_or_zero(jnp.where(first, loss, state.initial_loss))
+        ema = _finite_or_zero(jnp.where(first, loss, state.loss_ema))
+        features = jnp.stack([_relative(loss, initial), _relative(loss, ema)])
+        next_ema = _LOSS_EMA_DECAY * ema + (1.0 - _LOSS_EMA_DECAY) * loss
+        next_ema = jnp.where(jnp.isfinite(next_ema), next_ema, ema)
+        return features, initial, next_ema
+
+    def step(
+        self,
+        state: NormalizedMLPLOptState,
+        grad: Params,
+        loss: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> tuple[Params, NormalizedMLPLOptState]:
+        del key
+        lopt, theta = self._lopt, self._theta
+        momentums, rms = update_accumulators(
+            state.momentums, state.rms, grad, lopt.decays, lopt.rms_decay
+        )
+        iteration = jnp.asarray(state.iteration, jnp.float32)
+        shared = time_and_horizon_features(
+            iteration, state.num_steps, lopt.timescales, lopt.horizon_centers
+        )
+        initial_loss, loss_ema = state.initial_loss, state.loss_ema
+        if lopt.loss_features:
+            loss_features, initial_loss, loss_ema = self._loss_features(state, loss)
+            shared = jnp.concatenate([shared, loss_features])
+
+        schedule = _schedule_mlp(theta["schedule"], shared)
+        fraction = iteration / state.num_steps
+        lr = jnp.exp(theta["log_lr"] + _bounded(schedule)) * EXTERNAL_SCHEDULES[
+            lopt.external_schedule
+        ](fraction)
+
+        directions = adam_directions(
+            momentums, rms, iteration, lopt.beta1_index, lopt.beta1, lopt.rms_decay, lopt.epsilon
+        )
+        corrections, log_scales = per_parameter_mlp(
+            theta["mlp"],
+            state.params,
+            grad,
+            momentums,
+            rms,
+            shared,
+            lopt.epsilon,
+            normalize_epsilon=_FEATURE_EPSILON,
+        )
+
+        def tensor_update(
+            p: jax.Array, a: jax.Array, correction: jax.Array, log_scale: jax.Array
+        ) -> jax.Array:
+            u = jnp.exp(_bounded(log_scale)) * (a + correction)
+            normalized = u * jax.lax.rsqrt(jnp.mean(jnp.square(u)) + _RMS_EPSILON)
+            return -(lr * normalized).astype(p.dtype)
+
+        updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
+        following = state._replace(
+            params=optax.apply_updates(state.params, updates),
+            momentums=momentums,
+            rms=rms,
+            iteration=state.iteration + 1,
+            initial_loss=initial_loss,
+            loss_ema=loss_ema,
+        )
+        return updates, following
+
+
+def _schedule_mlp(theta: Params, x: jax.Array) -> jax.Array:
+    """The schedule MLP (relu hidden layers, one output) on the global features ``x``."""
+    n_layers = len(theta)
+    for i in range(n_layers):
+        layer = theta[f"linear_{i}"]
+        x = x @ layer["w"] + layer["b"]
+        if i < n_layers - 1:
+            x = jax.nn.relu(x)
+    return x[0]
+
+
+class NormalizedMLPLOpt(LearnedOptimizer):
+    """Per-tensor RMS-normalized MLP updates times a learned step-size schedule (module docstring).
+
+    Theta is ``{"log_lr": scalar, "mlp": {"linear_i": {"w", "b"}}, "schedule":
+    {"linear_i": {"w", "b"}}}``; both MLPs' output layers start at zero.
+    """
+
+    needs_num_steps = True
+
+    def __init__(
+        self,
+        initial_lr: float = 1e-3,
+        beta1: float = 0.9,
+        hidden_size: int = 32,
+        hidden_layers: int = 2,
+        schedule_hidden_size: int = 16,
+        loss_features: bool = True,
+        external_schedule: str = "constant",
+        decays: Sequence[float] = DEFAULT_DECAYS,
+        rms_decay: float = 0.999,
+        timescales: Sequence[float] = SHORT_TIMESCALES,
+        horizon_centers: Sequence[float] = HORIZON_CENTERS,
+        epsilon: float = 1e-8,
+    ):
+        """Builds the learned optimizer.
+
+        Args:
+          initial_lr: root mean square of every tensor's step, untrained.
+          beta1: the first-moment decay of Adam's direction; one of ``decays``.
+          hidden_size: width of the per-parameter MLP's hidden layers.
+          hidden_layers: number of its hidden layers.
+          schedule_hidden_size: width of the schedule MLP's one hidden layer.
+          loss_features: whether both MLPs read the normalized loss features
+            (then the optimizer needs the loss every step).
+          external_schedule: a key of :data:`EXTERNAL_SCHEDULES` multiplying the step size.
+          decays: momentum EMA decays, one feature (and one ratio feature) each.
+          rms_decay: decay of the squared-gradient EMA (Adam's beta2).
+          timescales: iteration timescales of the short time features.
+          horizon_centers: fractions of the run where a horizon feature switches sign.
+          epsilon: Adam's epsilon, also added before ``rsqrt`` in the features.
+        """
+        if not initial_lr > 0:
+            raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
+        if external_schedule not in EXTERNAL_SCHEDULES:
+            raise ValueError(
+                f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
+                f"got {external_schedule!r}"
+            )
+        self.decays = tuple(float(d) for d in decays)
+        if float(beta1) not in self.decays:
+            raise ValueError(f"beta1 ({beta1!r}) must be one of decays {self.decays}")
+        self.initial_lr = float(initial_lr)
+        self.beta1 = float(beta1)
+        self.beta1_index = self.decays.index(float(beta1))
+        self.hidden_size = int(hidden_size)
+        self.hidden_layers = int(hidden_layers)
+        self.schedule_hidden_size = int(schedule_hidden_size)
+        self.loss_features = bool(loss_features)
+        self.uses_loss = self.loss_features
+        self.external_schedule = external_schedule
+        self.rms_decay = float(rms_decay)
+        self.timescales = tuple(float(t) for t in timescales)
+        self.horizon_centers = tuple(float(c) for c in horizon_centers)
+        self.epsilon = float(epsilon)
+
+    @property
+    def num_global_features(self) -> int:
+        """Width of the global features (12 with the defaults)."""
+        loss = 2 if self.loss_features else 0
+        return len(self.timescales) + 1 + len(self.horizon_centers) + loss
+
+    @property
+    def num_features(self) -> int:
+        """Width of the per-parameter MLP's input (22 with the defaults)."""
+        return num_per_parameter_features(len(self.decays)) + self.num_global_features
+
+    def init(self, key: jax.Array) -> MetaParams:
+        key_mlp, key_schedule = jax.random.split(key)
+        sizes = (self.num_features, *([self.hidden_size] * self.hidden_layers), 2)
+        schedule_sizes = (self.num_global_features, self.schedule_hidden_size, 1)
+        return {
+            "log_lr": jnp.asarray(np.log(self.initial_lr), jnp.float32),
+            "mlp": mlp_init(key_mlp, sizes, output_init_scale=0.0),
+            "schedule": mlp_init(key_schedule, schedule_sizes, output_init_scale=0.0),
+        }
+
+    def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
+        del is_training
+        return _NormalizedMLPLOptOptimizer(self, theta)

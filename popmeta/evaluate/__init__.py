@@ -1,0 +1,68 @@
+"""Meta-testing: a learned optimizer against tuned hand-designed baselines, with intervals.
+
+:mod:`~popmeta.evaluate.runs` says where an optimizer is tested (settings) and
+runs it there, :mod:`~popmeta.evaluate.baselines` tunes and caches the
+baselines, :mod:`~popmeta.evaluate.statistics` scores tasks and compares
+paired by task, :mod:`~popmeta.evaluate.report` prints and writes the
+results, :mod:`~popmeta.evaluate.checkpoints` meta-tests a training checkpoint
+and :mod:`~popmeta.evaluate.periodic` evaluates in the background during
+training.
+"""
+
+from popmeta.evaluate.baselines import BASELINES, LEARNING_RATES, BaselineCache, tune_baseline
+from popmeta.evaluate.checkpoints import evaluate_checkpoint, load_theta
+from popmeta.evaluate.periodic import PeriodicEvaluator
+from popmeta.evaluate.report import (
+    CSV_COLUMNS,
+    EvalOutput,
+    EvalWriteError,
+    check_output_dir,
+    format_reports,
+    write_reports,
+)
+from popmeta.evaluate.runs import (
+    Setting,
+    SettingReport,
+    evaluate,
+    evaluate_setting,
+    settings_of,
+    trained_horizon,
+)
+from popmeta.evaluate.statistics import (
+    METRICS,
+    Comparison,
+    TaskScores,
+    compare,
+    paired_interval,
+    scores_of,
+    t_quantile_975,
+)
+
+__all__ = [
+    "BASELINES",
+    "CSV_COLUMNS",
+    "LEARNING_RATES",
+    "METRICS",
+    "BaselineCache",
+    "Comparison",
+    "EvalOutput",
+    "EvalWriteError",
+    "PeriodicEvaluator",
+    "Setting",
+    "SettingReport",
+    "TaskScores",
+    "check_output_dir",
+    "compare",
+    "evaluate",
+    "evaluate_checkpoint",
+    "evaluate_setting",
+    "format_reports",
+    "load_theta",
+    "paired_interval",
+    "scores_of",
+    "settings_of",
+    "t_quantile_975",
+    "trained_horizon",
+    "tune_baseline",
+    "write_reports",
+]

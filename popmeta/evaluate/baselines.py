@@ -1,0 +1,191 @@
+"""Hand-designed baselines, each tuned per setting on tasks the learned optimizer is not tested on.
+
+Adam, Adam with cosine decay to zero over the setting's horizon, SGD with
+momentum 0.9 and SGD, each at the learning rate of the grid (4 points per
+decade over [1e-5, 1]) with the lowest mean training loss on *tuning* tasks
+(drawn from ``eval.seed + 1``), then run on the *test* tasks (``eval.seed``).
+``coarse_to_fine`` tuning runs one rate per decade, then the six grid rates
+around the best of those.
+
+A tuned baseline's test scores depend only on the setting (its task section
+and number of steps), the task count, the seed and the grid, so they are
+cached on disk (``$POPMETA_CACHE_DIR``, by default ``~/.cache/popmeta``):
+evaluating a second checkpoint runs only the learned optimizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from popmeta.config import TaskConfig
+from popmeta.core.evaluation import training_curves
+from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, Optimizer
+from popmeta.core.tasks import TaskFamily
+from popmeta.evaluate.statistics import TaskScores, scores_of
+
+__all__ = ["BASELINES", "LEARNING_RATES", "BaselineCache", "TunedBaseline", "tune_baseline"]
+
+#: Hand-designed baselines: ``make(learning_rate, num_steps)``.
+BASELINES: dict[str, Callable[[Any, int], Optimizer]] = {
+    "adam": lambda lr, num_steps: Adam(lr),
+    "adam_cosine": lambda lr, num_steps: OptaxOptimizer(
+        optax.adam(optax.cosine_decay_schedule(lr, num_steps))
+    ),
+    "sgdm": lambda lr, num_steps: SGDM(lr, 0.9),
+    "sgd": lambda lr, num_steps: SGD(lr),
+}
+#: The tuning grid: 4 points per decade over [1e-5, 1].
+LEARNING_RATES = np.logspace(-5, 0, 21).astype(np.float32)
+_COARSE_STRIDE = 4
+#: Bump when what a cached entry holds, or how it is computed, changes.
+_CACHE_FORMAT = 1
+
+
+def _fine_indices(best_coarse: int, size: int) -> np.ndarray:
+    """The six grid indices around ``best_coarse`` (clipped at the grid's ends)."""
+    around = [best_coarse + d for d in (-3, -2, -1, 1, 2, 3)]
+    return np.clip(np.asarray(around), 0, size - 1)
+
+
+class TunedBaseline:
+    """A baseline's chosen learning rate and its scores on the test tasks."""
+
+    def __init__(self, learning_rate: float, scores: TaskScores):
+        self.learning_rate = learning_rate
+        self.scores = scores
+
+
+def tune_baseline(
+    family: TaskFamily,
+    make: Callable[[Any, int], Optimizer],
+    num_tasks: int,
+    num_steps: int,
+    seed: int,
+    tuning: str,
+) -> TunedBaseline:
+    """Chooses ``make``'s learning rate on the tuning tasks; scores it on the test tasks."""
+
+    def run(lr, key):
+        return training_curves(family, make(lr, num_steps), key, num_tasks, num_steps)
+
+    tune = jax.jit(jax.vmap(run, in_axes=(0, None)))
+    tune_key = jax.random.key(seed + 1)
+
+    def tuning_losses(indices: np.ndarray) -> np.ndarray:
+        mean_train = scores_of(tune(LEARNING_RATES[indices], tune_key)).mean_train_loss
+        return mean_train.mean(axis=-1)
+
+    if tuning == "full":
+        best = int(np.argmin(tuning_losses(np.arange(LEARNING_RATES.size))))
+    elif tuning == "coarse_to_fine":
+        coarse = np.arange(0, LEARNING_RATES.size, _COARSE_STRIDE)
+        losses = dict(zip(coarse.tolist(), tuning_losses(coarse).tolist(), strict=True))
+        fine = _fine_indices(min(losses, key=losses.__getitem__), LEARNING_RATES.size)
+        losses.update(zip(fine.tolist(), tuning_losses(fine).tolist(), strict=True))
+        # NaN (a diverged rate) never wins; ties go to the smaller rate, as argmin's do.
+        best = min(sorted(losses), key=lambda i: (np.isnan(losses[i]), losses[i]))
+    else:
+        raise ValueError(f"tuning must be 'full' or 'coarse_to_fine', got {tuning!r}")
+    lr = LEARNING_RATES[best]
+    return TunedBaseline(float(lr), scores_of(jax.jit(run)(lr, jax.random.key(seed))))
+
+
+def _default_cache_dir() -> Path:
+    if "POPMETA_CACHE_DIR" in os.environ:
+        return Path(os.environ["POPMETA_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "popmeta"
+
+
+class BaselineCache:
+    """Tuned baselines on disk, one ``.npz`` per (setting, baseline, tasks, seed, grid, tuning).
+
+    A cache that cannot be read or written is skipped: the baseline is
+    simply tuned again.
+
+    An entry is found by the task section's kind and fields: a task kind of
+    your own whose code changed under the same name needs ``refresh``.
+
+    Args:
+      folder: where the entries live; None: ``$POPMETA_CACHE_DIR`` or ``~/.cache/popmeta``,
+        under ``baselines/``.
+      refresh: tune every baseline again (and overwrite its entry).
+    """
+
+    def __init__(self, folder: str | Path | None = None, refresh: bool = False):
+        self.folder = Path(folder) if folder is not None else _default_cache_dir() / "baselines"
+        self.refresh = refresh
+
+    def _path(
+        self,
+        task: TaskConfig,
+        baseline: str,
+        num_steps: int,
+        num_tasks: int,
+        seed: int,
+        tuning: str,
+    ) -> Path:
+        described = {
+            "format": _CACHE_FORMAT,
+            "jax": jax.__version__,
+            "task": {"kind": task.kind, "fields": dict(task.options)},
+            "baseline": baseline,
+            "num_steps": num_steps,
+            "num_tasks": num_tasks,
+            "seed": seed,
+            "grid": LEARNING_RATES.tolist(),
+            "tuning": tuning,
+        }
+        digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
+        return self.folder / f"{baseline}-{digest}.npz"
+
+    def tuned(
+        self,
+        family: TaskFamily,
+        task: TaskConfig,
+        baseline: str,
+        num_tasks: int,
+        num_steps: int,
+        seed: int,
+        tuning: str,
+    ) -> TunedBaseline:
+        """The cached tuned baseline, or a newly tuned one (then cached)."""
+        path = self._path(task, baseline, num_steps, num_tasks, seed, tuning)
+        cached = None if self.refresh else self._read(path)
+        if cached is not None:
+            return cached
+        tuned = tune_baseline(family, BASELINES[baseline], num_tasks, num_steps, seed, tuning)
+        self._write(path, tuned)
+        return tuned
+
+    @staticmethod
+    def _read(path: Path) -> TunedBaseline | None:
+        try:
+            with np.load(path) as data:
+                arrays = {name: data[name] for name in data.files}
+        except (OSError, ValueError, KeyError):
+            return None
+        fields = {name: arrays.get(name) for name in TaskScores._fields}
+        if any(fields[name] is None for name in ("mean_train_loss", "train_curve", "test_curve")):
+            return None
+        return TunedBaseline(float(arrays["learning_rate"]), TaskScores(**fields))
+
+    def _write(self, path: Path, tuned: TunedBaseline) -> None:
+        arrays = {k: v for k, v in tuned.scores._asdict().items() if v is not None}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as f:
+                np.savez(f, learning_rate=np.float64(tuned.learning_rate), **arrays)
+            os.replace(f.name, path)
+        except OSError:
+            pass  # a cache that cannot be written only costs the next evaluation its time

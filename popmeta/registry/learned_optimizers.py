@@ -1,0 +1,111 @@
+"""Learned optimizers: ``learned_optimizer.kind`` -> a ``LearnedOptimizer``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from popmeta.core.learned_optimizers import (
+    AdamMLPLOpt,
+    LearnableAdam,
+    LearnableSGD,
+    LearnableSGDM,
+    LearnedOptimizer,
+    MLPLOpt,
+    NormalizedMLPLOpt,
+)
+from popmeta.registry.kinds import Fraction, PositiveFloat, PositiveInt, Registry
+
+__all__ = ["LEARNED_OPTIMIZERS"]
+
+LEARNED_OPTIMIZERS: Registry[LearnedOptimizer] = Registry(
+    "learned_optimizer", "Learned optimizers", "a `LearnedOptimizer`", returns=LearnedOptimizer
+)
+
+
+@LEARNED_OPTIMIZERS.register("learnable_sgd", "SGD with a learned learning rate")
+def learnable_sgd(initial_lr: PositiveFloat = 1e-3) -> LearnedOptimizer:
+    """Args:
+    initial_lr: the learning rate of the untrained optimizer.
+    """
+    return LearnableSGD(initial_lr=initial_lr)
+
+
+@LEARNED_OPTIMIZERS.register("learnable_sgdm", "SGD with learned learning rate and momentum")
+def learnable_sgdm(
+    initial_lr: PositiveFloat = 1e-3, initial_momentum: Fraction = 0.9
+) -> LearnedOptimizer:
+    """Args:
+    initial_lr: the learning rate of the untrained optimizer.
+    initial_momentum: its momentum, in [0, 1).
+    """
+    return LearnableSGDM(initial_lr=initial_lr, initial_momentum=initial_momentum)
+
+
+@LEARNED_OPTIMIZERS.register("learnable_adam", "Adam with learned learning rate, betas and epsilon")
+def learnable_adam(
+    initial_lr: PositiveFloat = 1e-3, initial_beta1: Fraction = 0.9
+) -> LearnedOptimizer:
+    """Args:
+    initial_lr: the learning rate of the untrained optimizer.
+    initial_beta1: its first-moment decay, in [0, 1).
+    """
+    return LearnableAdam(initial_lr=initial_lr, initial_beta1=initial_beta1)
+
+
+@LEARNED_OPTIMIZERS.register("mlp", "a per-parameter MLP over gradient and momentum features")
+def mlp(
+    step_multiplier: PositiveFloat = 0.001,
+    magnitude_multiplier: PositiveFloat = 0.001,
+    hidden_size: PositiveInt = 32,
+) -> LearnedOptimizer:
+    """Args:
+    step_multiplier: scale of every step.
+    magnitude_multiplier: scale of the log-magnitude output.
+    hidden_size: width of each hidden layer.
+    """
+    return MLPLOpt(
+        step_multiplier=step_multiplier,
+        magnitude_multiplier=magnitude_multiplier,
+        hidden_size=hidden_size,
+    )
+
+
+@LEARNED_OPTIMIZERS.register(
+    "mlp_adam",
+    "Adam (learning rate `initial_lr`) rescaled and corrected per parameter by an MLP that "
+    "reads the MLP features and the fraction of the run done; starts as Adam",
+)
+def mlp_adam(initial_lr: PositiveFloat = 1e-3, hidden_size: PositiveInt = 32) -> LearnedOptimizer:
+    """Args:
+    initial_lr: Adam's learning rate, the untrained optimizer's.
+    hidden_size: width of each hidden layer.
+    """
+    return AdamMLPLOpt(initial_lr=initial_lr, hidden_size=hidden_size)
+
+
+@LEARNED_OPTIMIZERS.register(
+    "normalized_mlp",
+    "a per-parameter MLP's direction (from Adam's), RMS-normalized per tensor every step, times "
+    "a learned step-size schedule over progress and loss; starts as per-tensor normalized Adam",
+)
+def normalized_mlp(
+    initial_lr: PositiveFloat = 1e-3,
+    hidden_size: PositiveInt = 32,
+    schedule_hidden_size: PositiveInt = 16,
+    loss_features: bool = True,
+    external_schedule: Literal["constant", "cosine", "linear"] = "constant",
+) -> LearnedOptimizer:
+    """Args:
+    initial_lr: every tensor's step RMS, untrained.
+    hidden_size: width of the per-parameter MLP's hidden layers.
+    schedule_hidden_size: width of the step-size schedule MLP's hidden layer.
+    loss_features: whether the MLPs read the normalized loss (the optimizer then needs the loss).
+    external_schedule: a fixed multiplier of the step size over the run.
+    """
+    return NormalizedMLPLOpt(
+        initial_lr=initial_lr,
+        hidden_size=hidden_size,
+        schedule_hidden_size=schedule_hidden_size,
+        loss_features=loss_features,
+        external_schedule=external_schedule,
+    )

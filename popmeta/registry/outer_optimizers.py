@@ -1,0 +1,81 @@
+"""Outer optimizers: ``outer_optimizer.kind`` -> the optax transformation(s) of the learner.
+
+A kind returns one ``optax.GradientTransformation`` (``kind: optax:adamw``
+takes any optax alias with its keyword arguments) or a list of them; the
+learner chains them after its gradient clipping, as one flat chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import optax
+
+from popmeta.registry.kinds import Fraction, NonNegativeFloat, PositiveFloat, Registry
+
+__all__ = ["OUTER_OPTIMIZERS"]
+
+OUTER_OPTIMIZERS: Registry[optax.GradientTransformation | list] = Registry(
+    "outer_optimizer",
+    "Outer optimizers",
+    "an `optax.GradientTransformation` (or a list of them)",
+    returns=(optax.GradientTransformation, list),
+)
+
+
+def _l2(weight_decay: float) -> list[optax.GradientTransformation]:
+    # Coupled L2: `wd * params` joins the (clipped) gradient before the optimizer.
+    return [optax.add_decayed_weights(weight_decay)] if weight_decay > 0 else []
+
+
+def _adam(decoupled: bool) -> Callable[..., list[optax.GradientTransformation]]:
+    """Adam's kind, with coupled L2 or decoupled weight decay."""
+
+    def build(
+        learning_rate: PositiveFloat = 1e-2,
+        b1: Fraction = 0.9,
+        b2: Fraction = 0.999,
+        eps: PositiveFloat = 1e-8,
+        weight_decay: NonNegativeFloat = 0.0,
+    ) -> list[optax.GradientTransformation]:
+        """Args:
+        learning_rate: the meta learning rate.
+        b1: first-moment decay.
+        b2: second-moment decay.
+        eps: added to the second moment's root.
+        weight_decay: decay of theta (coupled L2 for adam: ``wd * theta`` joins the gradient).
+        """
+        if decoupled:
+            return [optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)]
+        return [*_l2(weight_decay), optax.adam(learning_rate, b1=b1, b2=b2, eps=eps)]
+
+    return build
+
+
+OUTER_OPTIMIZERS.register("adam", "Adam, with coupled L2 weight decay")(_adam(decoupled=False))
+OUTER_OPTIMIZERS.register("adamw", "Adam with decoupled weight decay")(_adam(decoupled=True))
+
+
+@OUTER_OPTIMIZERS.register("sgd", "plain SGD, with coupled L2 weight decay")
+def sgd(
+    learning_rate: PositiveFloat = 1e-2, weight_decay: NonNegativeFloat = 0.0
+) -> list[optax.GradientTransformation]:
+    """Args:
+    learning_rate: the meta learning rate.
+    weight_decay: coupled L2 decay.
+    """
+    return [*_l2(weight_decay), optax.sgd(learning_rate)]
+
+
+@OUTER_OPTIMIZERS.register("sgdm", "SGD with momentum, with coupled L2 weight decay")
+def sgdm(
+    learning_rate: PositiveFloat = 1e-2,
+    momentum: Fraction = 0.9,
+    weight_decay: NonNegativeFloat = 0.0,
+) -> list[optax.GradientTransformation]:
+    """Args:
+    learning_rate: the meta learning rate.
+    momentum: heavy-ball momentum.
+    weight_decay: coupled L2 decay.
+    """
+    return [*_l2(weight_decay), optax.sgd(learning_rate, momentum=momentum)]

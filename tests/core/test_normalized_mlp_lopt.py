@@ -1,0 +1,157 @@
+"""NormalizedMLPLOpt: per-tensor RMS-normalized updates, a learned step-size schedule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from popmeta.core.learned_optimizers import NormalizedMLPLOpt, as_optax
+
+PARAMS = {
+    "w": jax.random.normal(jax.random.key(1), (7, 5)),
+    "b": jnp.linspace(-1.0, 1.0, 5),
+    "scale": jnp.float32(0.3),
+}
+
+
+def _grad(params, i: int, scale: float = 1.0):
+    return jax.tree.map(lambda p: scale * jnp.sin(3.0 * p + i) + 0.1 * i, params)
+
+
+def _rms(x) -> float:
+    return float(jnp.sqrt(jnp.mean(jnp.square(x))))
+
+
+def _random_theta(lopt: NormalizedMLPLOpt, scale: float):
+    """Theta with every array replaced by large random values (nothing like an untrained one)."""
+    theta = lopt.init(jax.random.key(0))
+    leaves, treedef = jax.tree.flatten(theta)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    noisy = [
+        leaf + scale * jax.random.normal(k, leaf.shape)
+        for leaf, k in zip(leaves, keys, strict=True)
+    ]
+    return treedef.unflatten(noisy)
+
+
+def test_untrained_it_is_adam_normalized_per_tensor():
+    lopt = NormalizedMLPLOpt(initial_lr=0.02)
+    opt = lopt.opt_fn(lopt.init(jax.random.key(0)))
+    adam = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
+    state, adam_state = opt.init(PARAMS, num_steps=50), adam.init(PARAMS)
+    step = jax.jit(opt.step)
+    for i in range(12):
+        grad = _grad(opt.get_params(state), i)
+        updates, state = step(state, grad, loss=jnp.float32(5.0 / (i + 1)))
+        direction, adam_state = adam.update(grad, adam_state)
+        expected = jax.tree.map(lambda u: -0.02 * u / jnp.sqrt(jnp.mean(u**2)), direction)
+        for name in PARAMS:
+            np.testing.assert_allclose(updates[name], expected[name], rtol=2e-5, atol=1e-9)
+    assert int(state.iteration) == 12
+
+
+def test_every_tensor_moves_by_the_same_rms_whatever_theta():
+    lopt = NormalizedMLPLOpt(initial_lr=0.01)
+    opt = lopt.opt_fn(_random_theta(lopt, 3.0))
+    state = opt.init(PARAMS, num_steps=40)
+    for i in range(6):
+        updates, state = opt.step(state, _grad(opt.get_params(state), i), loss=jnp.float32(i))
+        sizes = [_rms(u) for u in jax.tree.leaves(updates)]
+        np.testing.assert_allclose(sizes, sizes[0], rtol=1e-4)
+        # The learned log step size is bounded: within e^+-4 of the nominal one.
+        assert 0.01 * np.exp(-4.0) * 0.999 <= sizes[0] <= 0.01 * np.exp(4.0) * 1.001
+
+
+def test_steps_do_not_depend_on_the_gradient_or_loss_scale():
+    """Wherever the squared gradients are well above epsilon (1e-8), as Adam's steps are."""
+    lopt = NormalizedMLPLOpt(initial_lr=0.01)
+    opt = lopt.opt_fn(_random_theta(lopt, 1.0))
+
+    def grad(params, i: int, scale: float):
+        # Every element's magnitude in [0.5, 2.5] times scale: none near Adam's epsilon.
+        return jax.tree.map(lambda p: scale * (1.5 + jnp.sin(3.0 * p + i)), params)
+
+    small = big = opt.init(PARAMS, num_steps=30)
+    for i in range(5):
+        loss = jnp.float32(2.0 - 0.1 * i)
+        small_updates, small = opt.step(small, grad(small.params, i, 1.0), loss=loss)
+        big_updates, big = opt.step(big, grad(big.params, i, 1000.0), loss=1e4 * loss)
+        for name in PARAMS:
+            np.testing.assert_allclose(small_updates[name], big_updates[name], rtol=1e-4, atol=1e-8)
+
+
+def test_an_external_cosine_schedule_multiplies_the_step_size():
+    num_steps = 20
+    lopt = NormalizedMLPLOpt(initial_lr=0.05, external_schedule="cosine")
+    opt = lopt.opt_fn(lopt.init(jax.random.key(0)))
+    state = opt.init(PARAMS, num_steps=num_steps)
+    for i in range(num_steps):
+        updates, state = opt.step(state, _grad(state.params, i), loss=jnp.float32(1.0))
+        expected = 0.05 * 0.5 * (1.0 + np.cos(np.pi * i / num_steps))
+        np.testing.assert_allclose(_rms(updates["w"]), expected, rtol=1e-4, atol=1e-9)
+
+
+def test_zero_gradients_and_a_nan_loss_leave_every_state_finite():
+    lopt = NormalizedMLPLOpt()
+    grad = {**_grad(PARAMS, 0), "b": jnp.zeros(5)}
+    for theta in (lopt.init(jax.random.key(0)), _random_theta(lopt, 1.0)):
+        opt = lopt.opt_fn(theta)
+        state = opt.init(PARAMS, num_steps=10)
+        for loss in (jnp.float32(jnp.nan), jnp.float32(2.0), jnp.float32(jnp.inf)):
+            updates, state = opt.step(state, grad, loss=loss)
+            assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves((updates, state)))
+    # Untrained, a tensor without gradients stays put, as under Adam.
+    opt = lopt.opt_fn(lopt.init(jax.random.key(0)))
+    updates, _ = opt.step(opt.init(PARAMS, num_steps=10), grad, loss=jnp.float32(1.0))
+    np.testing.assert_array_equal(updates["b"], np.zeros(5, np.float32))
+
+
+def test_the_loss_is_required_unless_its_features_are_off():
+    lopt = NormalizedMLPLOpt()
+    opt = lopt.opt_fn(lopt.init(jax.random.key(0)))
+    assert lopt.uses_loss and lopt.needs_num_steps
+    with pytest.raises(ValueError, match="num_steps"):
+        opt.init(PARAMS)
+    with pytest.raises(ValueError, match="loss"):
+        opt.step(opt.init(PARAMS, num_steps=5), _grad(PARAMS, 0))
+    lossless = NormalizedMLPLOpt(loss_features=False)
+    assert not lossless.uses_loss
+    opt = lossless.opt_fn(lossless.init(jax.random.key(0)))
+    updates, _ = opt.step(opt.init(PARAMS, num_steps=5), _grad(PARAMS, 0))
+    assert lossless.num_features == lopt.num_features - 2
+    assert np.isfinite(_rms(updates["w"]))
+    with pytest.raises(ValueError, match="external_schedule"):
+        NormalizedMLPLOpt(external_schedule="warmup")
+
+
+def test_through_optax_it_follows_its_own_trajectory_bit_for_bit():
+    lopt = NormalizedMLPLOpt(initial_lr=0.03)
+    theta = _random_theta(lopt, 0.5)
+    transform = as_optax(lopt, theta, num_steps=8)
+
+    def loss_fn(p):
+        return sum(jnp.sum(jnp.square(x - 0.5)) for x in jax.tree.leaves(p))
+
+    @jax.jit
+    def optax_step(params, state):
+        loss, grad = jax.value_and_grad(loss_fn)(params)
+        updates, state = transform.update(grad, state, params, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    @jax.jit
+    def own_step(state):
+        loss, grad = jax.value_and_grad(loss_fn)(state.params)
+        return lopt.opt_fn(theta).update(state, grad, loss=loss)
+
+    params, optax_state = PARAMS, transform.init(PARAMS)
+    own = lopt.opt_fn(theta).init(PARAMS, num_steps=8)
+    for _ in range(8):
+        params, optax_state = optax_step(params, optax_state)
+        own = own_step(own)
+    for name in PARAMS:
+        np.testing.assert_array_equal(params[name], own.params[name])
+    with pytest.raises(ValueError, match="value=loss"):
+        transform.update(_grad(PARAMS, 0), transform.init(PARAMS), PARAMS)
