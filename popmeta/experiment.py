@@ -158,17 +158,8 @@ def build_truncated_step(cfg: Config) -> VectorizedLOptTruncatedStep | MixtureTr
     labels = list(members)
     families = {label: build_task_family(members[label][1]) for label in labels}
 
-    def training(family: TaskFamily, section: TaskConfig) -> TaskFamily:
-        if not section.rescaled:
-            return family
-        per_tensor, overall = (
-            ScaleRange(*section.rescale_per_tensor),
-            ScaleRange(*section.rescale_overall),
-        )
-        return RescaledFamily(family, per_tensor, overall)
-
     if len(labels) == 1 and not isinstance(families[labels[0]], ParametricImageMLPFamily):
-        return vectorized(training(families[labels[0]], cfg.task), cfg.estimator.num_tasks)
+        return vectorized(_training_family(families[labels[0]], cfg.task), cfg.estimator.num_tasks)
     counts = apportion([members[label][0] for label in labels], cfg.estimator.num_tasks)
     groups, group_names = [], []
     for label, count in zip(labels, counts, strict=True):
@@ -177,14 +168,22 @@ def build_truncated_step(cfg: Config) -> VectorizedLOptTruncatedStep | MixtureTr
             configs = family.sample_configs(cfg.seed, min(family.num_groups, count))
             sizes = apportion([1.0] * len(configs), count)
             groups += [
-                vectorized(training(family.family_of(c), section), n)
+                vectorized(_training_family(family.family_of(c), section), n)
                 for c, n in zip(configs, sizes, strict=True)
             ]
             group_names += [label] * len(configs)
         else:
-            groups.append(vectorized(training(family, section), count))
+            groups.append(vectorized(_training_family(family, section), count))
             group_names.append(label)
     return MixtureTruncatedStep(groups, group_names)
+
+
+def _training_family(family: TaskFamily, section: TaskConfig) -> TaskFamily:
+    """``family`` as training runs it: rescaled when ``section`` sets rescaling ranges."""
+    if not section.rescaled:
+        return family
+    per_tensor = ScaleRange(*section.rescale_per_tensor)
+    return RescaledFamily(family, per_tensor, ScaleRange(*section.rescale_overall))
 
 
 def _meta_loss_split(cfg: Config) -> str | None:

@@ -118,9 +118,8 @@ class KindSection:
             except ConfigError as err:
                 problems.append((field.name, str(err).split(": ", 1)[-1]))
                 continue
-            for bound in field.ranges:
-                if (problem := bound.problem(value)) is not None:
-                    problems.append((field.name, problem))
+            if (problem := field.out_of_range(value)) is not None:
+                problems.append((field.name, problem))
             checked[field.name] = value
         return checked
 

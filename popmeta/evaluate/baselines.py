@@ -21,7 +21,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -31,7 +31,7 @@ from popmeta.config import TaskConfig
 from popmeta.core.evaluation import training_curves
 from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, Optimizer
 from popmeta.core.tasks import TaskFamily
-from popmeta.evaluate.statistics import TaskScores, scores_of
+from popmeta.evaluate.statistics import TaskScores, mean_train_losses, scores_of
 
 __all__ = ["BASELINES", "LEARNING_RATES", "BaselineCache", "TunedBaseline", "tune_baseline"]
 
@@ -57,12 +57,11 @@ def _fine_indices(best_coarse: int, size: int) -> np.ndarray:
     return np.clip(np.asarray(around), 0, size - 1)
 
 
-class TunedBaseline:
+class TunedBaseline(NamedTuple):
     """A baseline's chosen learning rate and its scores on the test tasks."""
 
-    def __init__(self, learning_rate: float, scores: TaskScores):
-        self.learning_rate = learning_rate
-        self.scores = scores
+    learning_rate: float
+    scores: TaskScores
 
 
 def tune_baseline(
@@ -78,12 +77,12 @@ def tune_baseline(
     def run(lr, key):
         return training_curves(family, make(lr, num_steps), key, num_tasks, num_steps)
 
-    tune = jax.jit(jax.vmap(run, in_axes=(0, None)))
+    # Tuning reads only the training curves: nothing else is copied to the host.
+    tune = jax.jit(jax.vmap(lambda lr, key: run(lr, key).train_loss, in_axes=(0, None)))
     tune_key = jax.random.key(seed + 1)
 
     def tuning_losses(indices: np.ndarray) -> np.ndarray:
-        mean_train = scores_of(tune(LEARNING_RATES[indices], tune_key)).mean_train_loss
-        return mean_train.mean(axis=-1)
+        return mean_train_losses(tune(LEARNING_RATES[indices], tune_key)).mean(axis=-1)
 
     if tuning == "full":
         best = int(np.argmin(tuning_losses(np.arange(LEARNING_RATES.size))))
@@ -92,8 +91,8 @@ def tune_baseline(
         losses = dict(zip(coarse.tolist(), tuning_losses(coarse).tolist(), strict=True))
         fine = _fine_indices(min(losses, key=losses.__getitem__), LEARNING_RATES.size)
         losses.update(zip(fine.tolist(), tuning_losses(fine).tolist(), strict=True))
-        # NaN (a diverged rate) never wins; ties go to the smaller rate, as argmin's do.
-        best = min(sorted(losses), key=lambda i: (np.isnan(losses[i]), losses[i]))
+        # Ties go to the smaller rate, as argmin's do (a diverged rate scores inf, never NaN).
+        best = min(sorted(losses), key=losses.__getitem__)
     else:
         raise ValueError(f"tuning must be 'full' or 'coarse_to_fine', got {tuning!r}")
     lr = LEARNING_RATES[best]

@@ -26,6 +26,7 @@ __all__ = [
     "TaskScores",
     "compare",
     "mean_interval",
+    "mean_train_losses",
     "paired_interval",
     "scores_of",
     "t_quantile_975",
@@ -167,12 +168,20 @@ def compare(learned: TaskScores, baseline: TaskScores, name: str) -> list[Compar
     return comparisons
 
 
+def mean_train_losses(train_curves: np.ndarray) -> np.ndarray:
+    """Each curve's mean over its last axis; infinite for a curve with a non-finite loss.
+
+    A diverged task scores an infinite loss, never a NaN that compares false.
+    """
+    train = np.asarray(train_curves, np.float64)
+    return np.where(np.all(np.isfinite(train), axis=-1), train.mean(axis=-1), np.inf)
+
+
 def scores_of(curves: TrainingCurves) -> TaskScores:
     """The per-task scores of an optimizer's training curves."""
     train = np.asarray(curves.train_loss, np.float64)
     test = np.asarray(curves.eval_loss, np.float64)
-    # A diverged task scores an infinite loss, never a NaN that compares false.
-    mean_train = np.where(np.all(np.isfinite(train), axis=-1), train.mean(axis=-1), np.inf)
+    mean_train = mean_train_losses(train)
     final_test = np.where(np.isfinite(test[..., -1]), test[..., -1], np.inf)
     accuracy = None
     if curves.final_accuracy is not None:

@@ -108,6 +108,10 @@ class Field:
     def required(self) -> bool:
         return self.default is REQUIRED
 
+    def out_of_range(self, value: Any) -> str | None:
+        """What is wrong with ``value`` for this field's ranges; None when it is within them."""
+        return next((p for bound in self.ranges if (p := bound.problem(value)) is not None), None)
+
     def signature(self) -> str:
         """``name: type = default`` as the docs show it."""
         text = f"{self.name}: {_type_text(self.type)}"
@@ -227,9 +231,8 @@ class Kind(Generic[T]):
             if field is None:
                 known = ", ".join(f.name for f in self.fields) or "none"
                 raise KindError(f"{name}: not a field of kind {self.name!r} (its fields: {known})")
-            for bound in field.ranges:
-                if (problem := bound.problem(value)) is not None:
-                    raise KindError(f"{name}: {problem}")
+            if (problem := field.out_of_range(value)) is not None:
+                raise KindError(f"{name}: {problem}")
         return self.build(*leading, **fields)
 
 

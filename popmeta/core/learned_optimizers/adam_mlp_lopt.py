@@ -50,6 +50,7 @@ from popmeta.core.learned_optimizers.features import (
     HORIZON_CENTERS,
     SHORT_TIMESCALES,
     adam_directions,
+    beta1_index,
     checked_num_steps,
     mlp_init,
     num_per_parameter_features,
@@ -180,11 +181,9 @@ class AdamMLPLOpt(LearnedOptimizer):
         if not initial_lr > 0:
             raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
         self.decays = tuple(float(d) for d in decays)
-        if float(beta1) not in self.decays:
-            raise ValueError(f"beta1 ({beta1!r}) must be one of decays {self.decays}")
         self.initial_lr = float(initial_lr)
         self.beta1 = float(beta1)
-        self.beta1_index = self.decays.index(float(beta1))
+        self.beta1_index = beta1_index(beta1, self.decays)
         self.hidden_size = hidden_size
         self.hidden_layers = hidden_layers
         self.rms_decay = float(rms_decay)

@@ -21,6 +21,7 @@ __all__ = [
     "HORIZON_CENTERS",
     "SHORT_TIMESCALES",
     "adam_directions",
+    "beta1_index",
     "checked_num_steps",
     "mlp_init",
     "num_per_parameter_features",
@@ -68,6 +69,13 @@ def update_accumulators(
     rms_decay = jnp.float32(rms_decay)
     rms = jax.tree.map(lambda v, g: rms_decay * v + (1.0 - rms_decay) * jnp.square(g), rms, grad)
     return momentums, rms
+
+
+def beta1_index(beta1: float, decays: Sequence[float]) -> int:
+    """Where Adam's first-moment decay ``beta1`` is among the momentum ``decays``."""
+    if float(beta1) not in decays:
+        raise ValueError(f"beta1 ({beta1!r}) must be one of decays {tuple(decays)}")
+    return list(decays).index(float(beta1))
 
 
 def checked_num_steps(name: str, num_steps: int | jax.Array | None) -> jax.Array:

@@ -53,6 +53,7 @@ from popmeta.core.learned_optimizers.features import (
     HORIZON_CENTERS,
     SHORT_TIMESCALES,
     adam_directions,
+    beta1_index,
     checked_num_steps,
     mlp_init,
     num_per_parameter_features,
@@ -277,21 +278,23 @@ class NormalizedMLPLOpt(LearnedOptimizer):
                 f"got {external_schedule!r}"
             )
         self.decays = tuple(float(d) for d in decays)
-        if float(beta1) not in self.decays:
-            raise ValueError(f"beta1 ({beta1!r}) must be one of decays {self.decays}")
         self.initial_lr = float(initial_lr)
         self.beta1 = float(beta1)
-        self.beta1_index = self.decays.index(float(beta1))
+        self.beta1_index = beta1_index(beta1, self.decays)
         self.hidden_size = int(hidden_size)
         self.hidden_layers = int(hidden_layers)
         self.schedule_hidden_size = int(schedule_hidden_size)
         self.loss_features = bool(loss_features)
-        self.uses_loss = self.loss_features
         self.external_schedule = external_schedule
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
         self.epsilon = float(epsilon)
+
+    @property
+    def uses_loss(self) -> bool:
+        """Whether its optimizer needs the loss every step (it does with ``loss_features``)."""
+        return self.loss_features
 
     @property
     def num_global_features(self) -> int:

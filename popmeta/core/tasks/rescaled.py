@@ -34,10 +34,16 @@ NO_RESCALING = ScaleRange()
 
 
 class RescaledTaskParams(NamedTuple):
-    """The wrapped family's task parameter and the key its scales are drawn from."""
+    """The wrapped family's task parameter and the scale of each parameter tensor.
+
+    Attributes:
+      inner: the wrapped family's task parameter.
+      scales: ``[num_tensors]`` float32, in the order of the params' leaves;
+        drawn once per task, so a loss evaluation draws no random numbers.
+    """
 
     inner: TaskParams
-    scale_key: jax.Array
+    scales: jax.Array
 
 
 def _log_uniform(key: jax.Array, scale_range: ScaleRange, shape: tuple[int, ...] = ()) -> jax.Array:
@@ -46,22 +52,14 @@ def _log_uniform(key: jax.Array, scale_range: ScaleRange, shape: tuple[int, ...]
 
 
 class _RescaledTask(Task):
-    def __init__(
-        self, task: Task, scale_key: jax.Array, per_tensor: ScaleRange, overall: ScaleRange
-    ):
+    def __init__(self, task: Task, scales: jax.Array):
         self._task = task
-        self._scale_key = scale_key
-        self._per_tensor = per_tensor
-        self._overall = overall
+        self._scales = scales
         self.datasets = task.datasets
 
     def scales(self, params: Params) -> Params:
         """The scale ``s`` of each tensor of ``params`` (a params-shaped tree of scalars)."""
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        key_overall, key_tensors = jax.random.split(self._scale_key)
-        overall = _log_uniform(key_overall, self._overall)
-        per_tensor = _log_uniform(key_tensors, self._per_tensor, (len(leaves),))
-        return treedef.unflatten(list(overall * per_tensor))
+        return jax.tree_util.tree_structure(params).unflatten(list(self._scales))
 
     def original(self, params: Params) -> Params:
         """The original task's parameters ``q * s`` of this task's ``params`` ``q``."""
@@ -114,13 +112,16 @@ class RescaledFamily(TaskFamily):
         self.datasets = family.datasets
 
     def sample(self, key: jax.Array) -> RescaledTaskParams:
-        key_inner, key_scale = jax.random.split(key)
-        return RescaledTaskParams(self.family.sample(key_inner), jax.random.key_data(key_scale))
+        key_inner, key_overall, key_tensors = jax.random.split(key, 3)
+        inner = self.family.sample(key_inner)
+        shapes = jax.eval_shape(self.family.task_fn(inner).init, key_inner)
+        num_tensors = len(jax.tree_util.tree_leaves(shapes))
+        overall = _log_uniform(key_overall, self.overall)
+        per_tensor = _log_uniform(key_tensors, self.per_tensor, (num_tensors,))
+        return RescaledTaskParams(inner, overall * per_tensor)
 
     def task_fn(self, task_params: RescaledTaskParams) -> _RescaledTask:
-        task = self.family.task_fn(task_params.inner)
-        scale_key = jax.random.wrap_key_data(task_params.scale_key)
-        return _RescaledTask(task, scale_key, self.per_tensor, self.overall)
+        return _RescaledTask(self.family.task_fn(task_params.inner), task_params.scales)
 
     def sample_batch(self, key: jax.Array, split: str = "train") -> Batch | None:
         return self.family.sample_batch(key, split)
