@@ -39,6 +39,7 @@ import ray
 
 from popmeta.config import load_config
 from popmeta.estimate import Estimate, aggregate
+from popmeta.experiment import learner_start
 from popmeta.learner.learner import Learner
 from popmeta.learner.train_state import (
     TrainState,
@@ -78,7 +79,7 @@ def inner_steps_per_s(config, population_cls, seconds: float) -> tuple[float, in
     Returns:
       Inner steps per second, and the inner steps of one estimate.
     """
-    learner = Learner(config)
+    learner = Learner.of(learner_start(config))
     population = population_cls(config)
     try:
         for _ in range(3):

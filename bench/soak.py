@@ -68,6 +68,7 @@ import jax
 import numpy as np
 
 from popmeta.config import Config, load_config
+from popmeta.experiment import WorkerSpec, learner_start
 from popmeta.learner.learner import Learner
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray_for
@@ -252,13 +253,13 @@ def soak(args: argparse.Namespace, mode: str) -> bool:
     logger = logging.getLogger("popmeta")
     logger.addHandler(ready_times)
     logger.setLevel(logging.INFO)
-    learner = Learner(config)
+    learner = Learner.of(learner_start(config))
     counts = dict.fromkeys(
         ["accepted", "stale", "missing", "lost", "late", "restarts", "empty_rounds"], 0
     )
     update_times: list[float] = []
     finite = True
-    with start_ray_for(pc), RayPopulation(config) as population:
+    with start_ray_for(pc), RayPopulation(config.population, WorkerSpec.of(config)) as population:
         # Warm-up: compile the learner's update before the clock starts.
         gathered = population.gather(learner.theta(), learner.version)
         learner.update(gathered.estimates)
@@ -455,9 +456,9 @@ def cli_runs(args: argparse.Namespace, mode: str) -> bool:
 
 def time_to_first_estimate(config: Config, kills: int) -> list[float]:
     """Seconds from SIGKILL of the only actor to the first estimate of its replacement."""
-    learner = Learner(config)
+    learner = Learner.of(learner_start(config))
     seconds = []
-    with RayPopulation(config) as population:
+    with RayPopulation(config.population, WorkerSpec.of(config)) as population:
         population.gather(learner.theta(), learner.version)
         for version in range(1, kills + 1):
             (info,) = population.describe_actors()

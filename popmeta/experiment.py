@@ -1,16 +1,18 @@
-"""Builds the core objects of a run from its config: each section's kind, called with its fields.
+"""Builds the core objects of a run from its config, once: each section's kind, called with its fields.
 
-Everything JAX is built from the (picklable) config wherever it runs: in the
-driver for the local engine, inside each actor for the Ray engine. A section
+The driver calls :func:`build_experiment` once per start and hands its pieces
+down; no module below the run loop and the evaluation takes the whole config.
+An actor receives a :class:`WorkerSpec` (the picklable sections its estimator
+is built from) and builds the same estimator on its own process: a section
 carries its resolved kind, so a kind of the user's (an import path, or a
 callable registered in a notebook, which travels by value) builds the same
-way on every process. What a kind builds is checked against what its
-section needs, and a kind that fails names itself.
+way everywhere. What a kind builds is checked against what its section
+needs, and a kind that fails names itself.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -18,6 +20,7 @@ import optax
 from popmeta.config import (
     Config,
     ConfigError,
+    EstimatorConfig,
     KindSection,
     LearnedOptimizerConfig,
     OuterOptimizerConfig,
@@ -33,15 +36,20 @@ from popmeta.core.truncation import TruncationSchedule
 from popmeta.registry import KindError
 
 __all__ = [
+    "EstimatorSections",
+    "Experiment",
+    "LearnerStart",
+    "WorkerSpec",
     "build_estimator",
+    "build_experiment",
     "build_learned_optimizer",
     "build_outer_optimizer",
     "build_task_family",
     "build_truncated_step",
     "build_truncation_schedule",
-    "check_kinds",
     "initial_theta",
     "learner_keys",
+    "learner_start",
 ]
 
 
@@ -84,14 +92,100 @@ def _build(section: KindSection, *leading: Any, where: str | None = None) -> Any
         raise ConfigError(f"{where}.kind: {str(err).split(': ', 1)[-1]}") from None
 
 
-def check_kinds(config: Config) -> None:
-    """Builds every kind the config names once, as the driver does before anything starts.
+class EstimatorSections(NamedTuple):
+    """The sections an estimator is built from, and the run's seed: all a worker is built from.
 
-    The training families (each member of a mixture), the families meta-testing
-    runs on, the learned optimizer, the schedule, the estimator on its
-    truncated step and the outer optimizer: a missing data file, a callable
-    of the user's that fails or returns the wrong type, fails here, naming
-    the section, rather than in every actor.
+    Picklable, and every section carries its resolved kind, so an actor
+    builds from it the estimator the driver built.
+    """
+
+    task: TaskConfig
+    learned_optimizer: LearnedOptimizerConfig
+    truncation: TruncationConfig
+    estimator: EstimatorConfig
+    seed: int
+
+    @classmethod
+    def of(cls, config: Config) -> EstimatorSections:
+        return cls(
+            config.task, config.learned_optimizer, config.truncation, config.estimator, config.seed
+        )
+
+
+class WorkerSpec(NamedTuple):
+    """What an actor receives to build its estimator worker.
+
+    Attributes:
+      sections: what the estimator is built from (the seed fixes the worker's keys).
+      shard_tasks: whether the worker spreads its tasks over its local devices.
+      theta: theta's structure, shapes and dtypes (``jax.ShapeDtypeStruct``
+        leaves), for the worker's state template and its warm-up.
+    """
+
+    sections: EstimatorSections
+    shard_tasks: bool
+    theta: Any
+
+    @classmethod
+    def of(cls, config: Config) -> WorkerSpec:
+        """The spec of ``config``'s workers (builds only theta's template: nothing is computed)."""
+        sections = EstimatorSections.of(config)
+        theta = jax.eval_shape(lambda: initial_theta(sections))
+        return cls(sections, config.population.shard_tasks, theta)
+
+
+class LearnerStart(NamedTuple):
+    """What the learner starts from (:meth:`~popmeta.learner.learner.Learner.of`).
+
+    Attributes:
+      theta: the untrained learned optimizer's theta.
+      rng: the key of the learner's ``TrainState``.
+      outer_transforms: the outer optimizer's transformations (the learner
+        chains gradient clipping before them).
+      clip_grad_norm: the learner's gradient clipping, or None.
+    """
+
+    theta: Any
+    rng: jax.Array
+    outer_transforms: list[optax.GradientTransformation]
+    clip_grad_norm: float | None
+
+
+def learner_start(config: Config) -> LearnerStart:
+    """The learner's start: theta, its key and the outer optimizer, as ``config`` says."""
+    outer = config.outer_optimizer
+    return LearnerStart(
+        theta=initial_theta(EstimatorSections.of(config)),
+        rng=learner_keys(config.seed)[1],
+        outer_transforms=build_outer_optimizer(outer),
+        clip_grad_norm=outer.clip_grad_norm,
+    )
+
+
+class Experiment(NamedTuple):
+    """A run's core objects, built once per start (:func:`build_experiment`) and handed down.
+
+    Attributes:
+      worker: what each actor builds its worker from.
+      estimator: the estimator as the driver built it (the state templates
+        and the memory check read it; every worker builds its own).
+      learner: what the learner starts from.
+    """
+
+    worker: WorkerSpec
+    estimator: GradientEstimator
+    learner: LearnerStart
+
+
+def build_experiment(config: Config) -> Experiment:
+    """Builds every kind the config names, once, as the driver does before anything starts.
+
+    The training families (each member of a mixture) and the families
+    meta-testing runs on are built to be checked; the learned optimizer, the
+    estimator on its truncated step and the outer optimizer are built and
+    returned. A missing data file, or a callable of the user's that fails or
+    returns the wrong type, fails here, naming the section, rather than in
+    every actor.
 
     Raises:
       ConfigError: naming the section's dotted path.
@@ -102,9 +196,13 @@ def check_kinds(config: Config) -> None:
     ]
     for where, task in tasks:
         _build(task, where=where)
-    build_learned_optimizer(config.learned_optimizer)
-    build_outer_optimizer(config.outer_optimizer)
-    build_estimator(config)
+    start = learner_start(config)
+    theta = jax.eval_shape(lambda: start.theta)
+    return Experiment(
+        worker=WorkerSpec(EstimatorSections.of(config), config.population.shard_tasks, theta),
+        estimator=build_estimator(EstimatorSections.of(config)),
+        learner=start,
+    )
 
 
 def build_task_family(cfg: TaskConfig) -> TaskFamily:
@@ -125,7 +223,9 @@ def build_outer_optimizer(cfg: OuterOptimizerConfig) -> list[optax.GradientTrans
     return list(built) if isinstance(built, list) else [built]
 
 
-def build_truncated_step(cfg: Config) -> VectorizedLOptTruncatedStep | MixtureTruncatedStep:
+def build_truncated_step(
+    cfg: EstimatorSections,
+) -> VectorizedLOptTruncatedStep | MixtureTruncatedStep:
     """The vectorized step of ``task``, or a mixture when ``task.mixture`` is set.
 
     A mixture gives each member its share of ``estimator.num_tasks`` slots
@@ -186,24 +286,24 @@ def _training_family(family: TaskFamily, section: TaskConfig) -> TaskFamily:
     return RescaledFamily(family, per_tensor, ScaleRange(*section.rescale_overall))
 
 
-def _meta_loss_split(cfg: Config) -> str | None:
+def _meta_loss_split(cfg: EstimatorSections) -> str | None:
     """The truncated step's ``meta_loss_split``: None is its training-loss default."""
     split = cfg.estimator.meta_loss_split
     return None if split == "train" else split
 
 
-def build_estimator(cfg: Config) -> GradientEstimator:
+def build_estimator(cfg: EstimatorSections) -> GradientEstimator:
     return _build(
         cfg.estimator, build_truncated_step(cfg), build_truncation_schedule(cfg.truncation)
     )
 
 
-def learner_keys(config: Config) -> tuple[jax.Array, jax.Array]:
+def learner_keys(seed: int) -> tuple[jax.Array, jax.Array]:
     """The keys of theta's initialisation and of the learner's ``TrainState`` rng."""
-    key_theta, key_rng = jax.random.split(jax.random.key(config.seed))
+    key_theta, key_rng = jax.random.split(jax.random.key(seed))
     return key_theta, key_rng
 
 
-def initial_theta(config: Config):
+def initial_theta(cfg: EstimatorSections) -> Any:
     """Theta as the learner initialises it (the untrained learned optimizer)."""
-    return build_learned_optimizer(config.learned_optimizer).init(learner_keys(config)[0])
+    return build_learned_optimizer(cfg.learned_optimizer).init(learner_keys(cfg.seed)[0])

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from popmeta.config import Config, ConfigError
-from popmeta.experiment import build_estimator, initial_theta
+from popmeta.config import ConfigError, PopulationConfig
+from popmeta.core.estimators import GradientEstimator
 
 __all__ = ["Footprint", "available_memory_bytes", "check_memory", "footprint"]
 
@@ -53,10 +53,14 @@ def _nbytes(tree: Any) -> int:
     return total
 
 
-def footprint(config: Config, compile_estimate: bool) -> Footprint:
-    """One worker's memory for ``config``; ``compile_estimate``: also XLA's working memory."""
-    estimator = build_estimator(config)
-    theta = jax.eval_shape(lambda: initial_theta(config))
+def footprint(estimator: GradientEstimator, theta: Any, compile_estimate: bool) -> Footprint:
+    """One worker's memory; ``compile_estimate``: also XLA's working memory.
+
+    Args:
+      estimator: the workers' estimator.
+      theta: theta, or its template (``jax.ShapeDtypeStruct`` leaves).
+      compile_estimate: also compile the estimate (not run it) for XLA's working memory.
+    """
     key = jax.eval_shape(lambda: jax.random.key(0))
     state = jax.eval_shape(estimator.init_worker_state, theta, key)
     if not compile_estimate:
@@ -87,21 +91,20 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def _workers_on_this_machine(config: Config) -> bool:
-    pop = config.population
+def _workers_on_this_machine(pop: PopulationConfig) -> bool:
     if pop.engine == "local":
         return True
     joins = pop.address is not None or bool(os.environ.get("RAY_ADDRESS"))
     return not joins and pop.num_gpus == 0 and not pop.resources
 
 
-def _needed(config: Config, worker: Footprint) -> int:
+def _needed(population: PopulationConfig, worker: Footprint) -> int:
     """This machine's bytes for every worker, and the driver's copies of their states."""
-    actors = config.population.num_actors
+    actors = population.num_actors
     working = worker.working or 0
     # The local engine runs one estimate at a time; each Ray actor holds its
     # own working memory. The driver holds every state while it checkpoints.
-    if config.population.engine == "local":
+    if population.engine == "local":
         return 2 * actors * worker.state + working
     return 2 * actors * worker.state + actors * working
 
@@ -110,38 +113,44 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.3g} GiB"
 
 
-def check_memory(config: Config, available: int | None = None) -> None:
-    """Refuses ``config`` if its workers cannot fit in this machine's memory.
+def check_memory(
+    estimator: GradientEstimator,
+    theta: Any,
+    population: PopulationConfig,
+    available: int | None = None,
+) -> None:
+    """Refuses a run whose workers cannot fit in this machine's memory.
 
     Args:
-      config: the run's config.
+      estimator: the workers' estimator.
+      theta: theta, or its template.
+      population: how many workers, and where they run.
       available: bytes to fit in; default :func:`available_memory_bytes`.
 
     Raises:
       ConfigError: naming ``estimator.num_tasks``, what it needs and how many
         tasks fit.
     """
-    if not _workers_on_this_machine(config):
+    if not _workers_on_this_machine(population):
         return
     available = available_memory_bytes() if available is None else available
     if not available:
         return
-    worker = footprint(config, compile_estimate=False)
-    theta_bytes = _nbytes(jax.eval_shape(lambda: initial_theta(config)))
+    tasks = estimator.truncated_step.num_tasks
+    worker = footprint(estimator, theta, compile_estimate=False)
     # Every ES-family estimator perturbs theta per task and antithetic member.
-    bound = worker.state + 2 * theta_bytes * config.estimator.num_tasks
-    if _needed(config, worker._replace(working=bound)) < CHEAP_SHARE * available:
+    bound = worker.state + 2 * _nbytes(theta) * tasks
+    if _needed(population, worker._replace(working=bound)) < CHEAP_SHARE * available:
         return
-    worker = footprint(config, compile_estimate=True)
-    needed = _needed(config, worker)
+    worker = footprint(estimator, theta, compile_estimate=True)
+    needed = _needed(population, worker)
     if needed <= available:
         return
-    tasks = config.estimator.num_tasks
     fit = int(tasks * available / needed)
     raise ConfigError(
         f"estimator.num_tasks: {tasks} tasks per worker cannot fit in memory: one worker's "
         f"state takes {_gib(worker.state)} and an estimate works in {_gib(worker.working or 0)} "
-        f"more, so {config.population.num_actors} "
+        f"more, so {population.num_actors} "
         f"worker(s) on this machine and the driver's copies of their states at a checkpoint "
         f"need about {_gib(needed)}, and it has {_gib(available)} available. About {fit} "
         "tasks per worker would fit: lower estimator.num_tasks (or population.num_actors)"

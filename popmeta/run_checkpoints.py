@@ -21,8 +21,6 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from popmeta.actors.worker import exported_state_template
-from popmeta.config import Config, config_to_dict, module_dirs
 from popmeta.learner.checkpoints import (
     Checkpoint,
     CheckpointCorruptedError,
@@ -59,14 +57,30 @@ class RunCheckpoints:
 
     Args:
       run: the claimed run directory.
-      config: the config of this start (its workers' state template, the
-        number of checkpoints to keep, and the metadata written with each).
+      worker_template: makes the template of a worker's exported state
+        (:func:`~popmeta.actors.worker.exported_state_template`), traced only
+        when a checkpoint with worker states is read.
+      keep: how many checkpoints to keep (``train.keep_checkpoints``).
+      metadata: written with each checkpoint (the run's config, for ``popmeta eval``).
+      learned_optimizer: the configured kind, named when a checkpoint does not fit it.
       stream: where resume messages go.
     """
 
-    def __init__(self, run: RunDirectory, config: Config, stream: TextIO):
+    def __init__(
+        self,
+        run: RunDirectory,
+        worker_template: Callable[[], Any],
+        *,
+        keep: int,
+        metadata: Mapping[str, Any],
+        learned_optimizer: str,
+        stream: TextIO,
+    ):
         self.run = run
-        self.config = config
+        self.worker_template = worker_template
+        self.keep = keep
+        self.metadata = dict(metadata)
+        self.learned_optimizer = learned_optimizer
         self.stream = stream
         self.saved_step: int | None = None
 
@@ -127,7 +141,7 @@ class RunCheckpoints:
         except ValueError as err:
             raise RunDirectoryError(
                 f"{err}. The checkpoint does not fit learned_optimizer.kind="
-                f"{self.config.learned_optimizer.kind!r} as configured; start a new run with "
+                f"{self.learned_optimizer!r} as configured; start a new run with "
                 "--set name=NEW"
             ) from None
         return learner_part, self._worker_states(learner, learner_part)
@@ -136,7 +150,7 @@ class RunCheckpoints:
         ranks = learner_part.metadata.get("worker_ranks", [])
         if not ranks:
             return {}
-        template = exported_state_template(self.config)
+        template = self.worker_template()
         target = {**learner.checkpoint_tree(), WORKERS: {str(rank): template for rank in ranks}}
         path = learner_part.path
         try:
@@ -223,12 +237,8 @@ class RunCheckpoints:
             self.run.checkpoints,
             step,
             tree,
-            keep=self.config.train.keep_checkpoints,
-            metadata={
-                "config": config_to_dict(self.config),
-                "module_dirs": module_dirs(self.config),
-                "worker_ranks": sorted(states),
-            },
+            keep=self.keep,
+            metadata={**self.metadata, "worker_ranks": sorted(states)},
             optional=(WORKERS,) if states else (),
         )
         self.saved_step = step

@@ -166,22 +166,22 @@ def config_differences(recorded: Config, new: Config) -> list[str]:
 
 
 class RunDirectory:
-    """``<config.run_dir>/<config.name>``, checked and claimed for one start.
+    """``<run_dir>/<name>``, checked and claimed for one start.
 
     Args:
-      config: the config of the start.
+      run_dir: where runs live (``run_dir``: a local path or a storage URI).
+      name: the run's name (``name``).
     """
 
-    def __init__(self, config: Config):
-        self.config = config
+    def __init__(self, run_dir: str, name: str):
         self.remote_uri: str | None = None
-        if is_remote(config.run_dir):
-            self.remote_uri = join(config.run_dir, config.name)
+        if is_remote(run_dir):
+            self.remote_uri = join(run_dir, name)
             # Created by claim(); a fresh name per start, so nothing stale is ever read.
             staging = f"popmeta-staging-{uuid.uuid4().hex[:12]}"
-            self.path = Path(tempfile.gettempdir()) / staging / config.name
+            self.path = Path(tempfile.gettempdir()) / staging / name
         else:
-            self.path = local_path(config.run_dir) / config.name
+            self.path = local_path(run_dir) / name
         self.checkpoints = self.path / "checkpoints"
         self._mirror: Mirror | None = None
         self._lock: RemoteLock | None = None
@@ -235,8 +235,8 @@ class RunDirectory:
                 f"start a new run with --set name=NEW, or restore that file"
             ) from None
 
-    def check_identity(self) -> None:
-        """Refuses a start whose config changes what the recorded run is.
+    def check_identity(self, config: Config) -> None:
+        """Refuses a start whose ``config`` changes what the recorded run is.
 
         Raises:
           RunDirectoryError: naming every differing field and the ways on.
@@ -249,7 +249,7 @@ class RunDirectory:
                     f"version of popmeta can identify; start a new run with --set name=NEW"
                 )
             return
-        differences = config_differences(recorded, self.config)
+        differences = config_differences(recorded, config)
         if differences:
             newest = list_checkpoints(self.checkpoints)
             takeover = (
@@ -462,8 +462,8 @@ class RunDirectory:
         except (OSError, StorageError) as err:
             raise RunDirectoryError(f"--from-checkpoint {uri}: {err}") from None
 
-    def record_config(self) -> None:
-        """Writes the resolved config; the run directory is this experiment's from now on.
+    def record_config(self, config: Config) -> None:
+        """Writes the resolved ``config``; the run directory is this experiment's from now on.
 
         Written to a temporary file and renamed into place: a write that fails
         (a full disk) leaves the previously recorded config whole.
@@ -473,7 +473,7 @@ class RunDirectory:
         """
         partial = self.config_file.with_name(CONFIG_FILE + ".partial")
         try:
-            partial.write_text(config_to_yaml(self.config), encoding="utf-8")
+            partial.write_text(config_to_yaml(config), encoding="utf-8")
             os.replace(partial, self.config_file)
         except OSError:
             with contextlib.suppress(OSError):

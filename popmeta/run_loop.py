@@ -12,6 +12,7 @@ the last good one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -25,15 +26,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from popmeta.config import Config
+from popmeta.actors.worker import exported_state_template
+from popmeta.config import Config, PopulationConfig, config_to_dict, module_dirs
 from popmeta.evaluate import (
     BaselineCache,
     PeriodicEvaluator,
     SettingReport,
     evaluate,
+    learned_optimizer_run,
     settings_of,
 )
-from popmeta.experiment import check_kinds
+from popmeta.experiment import Experiment, WorkerSpec, build_experiment
 from popmeta.footprint import check_memory
 from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
@@ -223,17 +226,18 @@ class _Progress:
             self.bar.close()
 
 
-PopulationFactory = Callable[[Config], Population]
+PopulationFactory = Callable[[PopulationConfig, WorkerSpec], Population]
 
 
 @contextlib.contextmanager
 def open_population(
-    config: Config, factory: PopulationFactory | None = None
+    config: Config, worker: WorkerSpec, factory: PopulationFactory | None = None
 ) -> Iterator[Population]:
     """The population of ``config`` with the runtime it needs, closed on exit.
 
     Args:
       config: the run's config; ``population.engine`` picks the population.
+      worker: what each worker is built from.
       factory: builds the population instead; the caller then owns whatever
         runtime it needs (e.g. a Ray instance a test session started).
 
@@ -241,15 +245,16 @@ def open_population(
       The population. On exit it is closed, and then the Ray instance this
       function started (an embedded one; a joined cluster is left running).
     """
+    pc = config.population
     if factory is not None:
         runtime: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    elif config.population.engine == "local":
+    elif pc.engine == "local":
         runtime, factory = contextlib.nullcontext(), LocalPopulation
     else:
-        runtime = start_ray_for(config.population, job_runtime_env(config))
+        runtime = start_ray_for(pc, job_runtime_env(pc.runtime_env, config.found_modules()))
         factory = RayPopulation
     with runtime:
-        population = factory(config)
+        population = factory(pc, worker)
         try:
             yield population
         finally:
@@ -306,7 +311,7 @@ def train(
         could not be built or kept up (:mod:`popmeta.population.supervisor`).
     """
     stream = stream or sys.stdout
-    run = RunDirectory(config)
+    run = RunDirectory(config.run_dir, config.name)
     with _StopSignals() as stop:
         try:
             return _start(config, run, population_factory, stream, from_checkpoint, stop)
@@ -325,15 +330,22 @@ def _start(
     stop: _StopSignals,
 ) -> RunResult:
     run.check_writable()
-    check_kinds(config)
-    check_memory(config)
+    experiment = build_experiment(config)
+    check_memory(experiment.estimator, experiment.worker.theta, config.population)
     with run.claim():
         if from_checkpoint is None:
-            run.check_identity()
+            run.check_identity(config)
         else:
             from_checkpoint = run.fetch_checkpoint(from_checkpoint)
-        learner = Learner(config)
-        checkpoints = RunCheckpoints(run, config, stream)
+        learner = Learner.of(experiment.learner)
+        checkpoints = RunCheckpoints(
+            run,
+            functools.partial(exported_state_template, experiment.worker, experiment.estimator),
+            keep=config.train.keep_checkpoints,
+            metadata={"config": config_to_dict(config), "module_dirs": module_dirs(config)},
+            learned_optimizer=config.learned_optimizer.kind,
+            stream=stream,
+        )
         # Restored (so read and checked) before the take-over moves anything:
         # a checkpoint that does not fit leaves the run directory as it was.
         worker_states = checkpoints.restore(learner, from_checkpoint)
@@ -357,7 +369,7 @@ def _start(
                 theta=learner.theta(),
                 checkpoint=_newest_checkpoint(run),
             )
-        loop = _RunLoop(config, run, learner, checkpoints, stream, stop)
+        loop = _RunLoop(config, experiment, run, learner, checkpoints, stream, stop)
         return loop.train(population_factory, worker_states)
 
 
@@ -382,14 +394,17 @@ class _RunLoop:
     def __init__(
         self,
         config: Config,
+        experiment: Experiment,
         run: RunDirectory,
         learner: Learner,
         checkpoints: RunCheckpoints,
         stream,
         stop: _StopSignals,
     ):
-        self.config, self.run, self.learner = config, run, learner
+        self.config, self.experiment, self.run, self.learner = config, experiment, run, learner
         self.checkpoints, self.stream, self.stop = checkpoints, stream, stop
+        # Where the run is meta-tested (periodically and at the end): built once.
+        self.settings = settings_of(config)
         self.meta_losses: list[float] = []
 
     def train(
@@ -400,17 +415,23 @@ class _RunLoop:
         # Closed last-in first-out: the progress bar, the event files, then the
         # population and its runtime. The final checkpoint comes before all of them.
         with contextlib.ExitStack() as closing:
-            population = closing.enter_context(open_population(config, population_factory))
+            population = closing.enter_context(
+                open_population(config, self.experiment.worker, population_factory)
+            )
             print(_placement(config, population.describe_actors()), file=stream)
             if worker_states:
                 _load_worker_states(population, worker_states, stream)
             try:
-                run.record_config()
+                run.record_config(config)
             except OSError as err:
                 raise run.write_failure(run.config_file, err, self.learner.version) from err
             summaries = Summaries(run.path)
             closing.callback(summaries.close)
-            evaluator = PeriodicEvaluator(config) if config.eval.every else None
+            evaluator = (
+                PeriodicEvaluator(learned_optimizer_run(config, self.settings[0]))
+                if config.eval.every
+                else None
+            )
             if evaluator is not None:
                 closing.callback(evaluator.close, summaries)
             progress = _Progress(
@@ -426,9 +447,7 @@ class _RunLoop:
         if not interrupted and config.eval.after_training:
             # Its progress goes where the training progress went (stderr), not into the results.
             theta = self.learner.theta()
-            evaluation = evaluate(
-                config, theta, settings_of(config)[:1], sys.stderr, BaselineCache()
-            )
+            evaluation = evaluate(config, theta, self.settings[:1], sys.stderr, BaselineCache())
         return RunResult(
             run.location,
             self.learner.version,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from popmeta.config import Config, config_from_dict
+from popmeta.config import Config, PopulationConfig, config_from_dict
+from popmeta.experiment import WorkerSpec
 
 __all__ = ["local_config", "no_population"]
 
@@ -33,6 +34,6 @@ def local_config(run_dir: Any, name: str = "ident", **sections: dict[str, Any]) 
     return config_from_dict(base)
 
 
-def no_population(config: Config):
+def no_population(population: PopulationConfig, worker: WorkerSpec):
     """A population factory for starts that must fail before any population starts."""
     raise AssertionError("no population may start")

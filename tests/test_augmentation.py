@@ -14,7 +14,13 @@ from popmeta.core.learned_optimizers import NormalizedMLPLOpt
 from popmeta.core.mixture_truncated_step import MixtureTruncatedStep
 from popmeta.core.tasks import RescaledFamily, ScaleRange
 from popmeta.evaluate import settings_of
-from popmeta.experiment import build_learned_optimizer, build_task_family, build_truncated_step
+from popmeta.experiment import (
+    EstimatorSections,
+    build_learned_optimizer,
+    build_task_family,
+    build_truncated_step,
+    learner_start,
+)
 from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint
 from popmeta.learner.learner import Learner
 from popmeta.run_loop import train
@@ -41,7 +47,7 @@ def _mixture_config() -> dict:
 
 def test_rescaling_wraps_the_training_families_and_meta_testing_runs_the_plain_one():
     config = config_from_dict(_mixture_config())
-    step = build_truncated_step(config)
+    step = build_truncated_step(EstimatorSections.of(config))
     assert isinstance(step, MixtureTruncatedStep)
     families = [group.task_family for group in step.groups]
     assert len(families) == 4  # digits, two parametric architectures, digits4
@@ -89,7 +95,7 @@ def _generalist_like(run_dir: Path, name: str, num_steps: int):
 
 def _final_checkpoint(config):
     path = list_checkpoints(Path(config.run_dir) / config.name / "checkpoints")[-1]
-    return load_checkpoint(path, Learner(config).checkpoint_tree())
+    return load_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
 
 
 def test_a_rescaled_log_uniform_run_of_the_normalized_optimizer_continues_bit_for_bit(tmp_path):

@@ -34,7 +34,12 @@ from popmeta.evaluate import (
     write_reports,
 )
 from popmeta.evaluate.runs import learned_optimizer_run
-from popmeta.experiment import build_learned_optimizer, build_task_family, initial_theta
+from popmeta.experiment import (
+    EstimatorSections,
+    build_learned_optimizer,
+    build_task_family,
+    initial_theta,
+)
 from popmeta.run_loop import train
 from popmeta.summaries import Summaries
 from tests.events import read_scalars
@@ -142,7 +147,7 @@ def evaluated(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("eval")
     config = _eval_config(tmp_path, out_of_distribution=OOD, long_horizon_factors=[])
     progress = io.StringIO()
-    reports = evaluate(config, initial_theta(config), stream=progress)
+    reports = evaluate(config, initial_theta(EstimatorSections.of(config)), stream=progress)
     return config, reports, progress.getvalue()
 
 
@@ -224,8 +229,8 @@ def test_every_setting_is_reported_and_written(evaluated, tmp_path):
 
 def test_the_background_evaluation_never_makes_the_learner_wait(tmp_path):
     config = _eval_config(tmp_path)
-    evaluator = PeriodicEvaluator(config)
-    theta = initial_theta(config)
+    evaluator = PeriodicEvaluator(learned_optimizer_run(config, settings_of(config)[0]))
+    theta = initial_theta(EstimatorSections.of(config))
     summaries = Summaries(tmp_path / "events")
     gate = threading.Event()
     run = evaluator._run
@@ -298,7 +303,7 @@ def test_coarse_to_fine_tuning_chooses_the_full_grids_learning_rate():
 def test_a_second_evaluation_reads_the_tuned_baselines_from_the_cache(tmp_path, monkeypatch):
     config = _eval_config(tmp_path, long_horizon_factors=[])
     cache = BaselineCache(tmp_path / "cache")
-    first = evaluate(config, initial_theta(config), baseline_cache=cache)
+    first = evaluate(config, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)
     entries = sorted((tmp_path / "cache").iterdir())
     assert len(entries) == len(BASELINES)
 
@@ -306,7 +311,7 @@ def test_a_second_evaluation_reads_the_tuned_baselines_from_the_cache(tmp_path, 
         raise AssertionError("a cached baseline was tuned again")
 
     monkeypatch.setattr("popmeta.evaluate.baselines.tune_baseline", no_tuning)
-    second = evaluate(config, initial_theta(config), baseline_cache=cache)
+    second = evaluate(config, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)
     for name in BASELINES:
         assert second[0].learning_rates[name] == first[0].learning_rates[name]
         for a, b in zip(second[0].scores[name], first[0].scores[name], strict=True):
@@ -316,15 +321,19 @@ def test_a_second_evaluation_reads_the_tuned_baselines_from_the_cache(tmp_path, 
     with pytest.raises(AssertionError, match="tuned again"):
         evaluate(
             config,
-            initial_theta(config),
+            initial_theta(EstimatorSections.of(config)),
             [settings_of(config)[0]._replace(num_steps=13)],
             baseline_cache=cache,
         )
     with pytest.raises(AssertionError, match="tuned again"):
-        evaluate(config, initial_theta(config), baseline_cache=BaselineCache(cache.folder, True))
+        evaluate(
+            config,
+            initial_theta(EstimatorSections.of(config)),
+            baseline_cache=BaselineCache(cache.folder, True),
+        )
     entries[0].write_bytes(b"not an npz")
     with pytest.raises(AssertionError, match="tuned again"):
-        evaluate(config, initial_theta(config), baseline_cache=cache)
+        evaluate(config, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)
 
 
 def test_the_optax_cosine_setting_runs_the_exported_optimizer_under_cosine_decay(tmp_path):
@@ -334,7 +343,7 @@ def test_the_optax_cosine_setting_runs_the_exported_optimizer_under_cosine_decay
         eval={"num_tasks": 3, "num_steps": 10, "optax_cosine": True, "long_horizon_factors": []},
     )
     plain, composed = settings_of(config)
-    theta = initial_theta(config)
+    theta = initial_theta(EstimatorSections.of(config))
     lopt = build_learned_optimizer(config.learned_optimizer)
     cosine = optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, 10))
     by_hand = OptaxOptimizer(optax.chain(as_optax(lopt, theta, num_steps=10), cosine))

@@ -18,6 +18,7 @@ import pytest
 
 import popmeta as pm
 from popmeta.cli import main
+from popmeta.experiment import learner_start
 from popmeta.export import FORMAT, FORMAT_VERSION
 from popmeta.learner.checkpoints import (
     list_checkpoints,
@@ -211,7 +212,9 @@ def test_export_writes_a_file_that_loads_without_the_run_and_trains_a_model(
     assert "hidden_size" in header["learned_optimizer"]
     assert header["popmeta_version"] and header["source"]["step"] == 4
 
-    saved = load_checkpoint(checkpoint, Learner(config).checkpoint_tree()).tree["theta"]
+    saved = load_checkpoint(checkpoint, Learner.of(learner_start(config)).checkpoint_tree()).tree[
+        "theta"
+    ]
     moved = tmp_path / "elsewhere.npz"
     shutil.copy(out, moved)  # no run directory beside it
     trained = pm.read_trained_optimizer(moved)

@@ -33,6 +33,7 @@ import pytest
 
 from popmeta.cli import EX_IOERR
 from popmeta.config import ConfigError, config_to_yaml
+from popmeta.experiment import learner_start
 from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint
 from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
@@ -228,8 +229,8 @@ class FaultAt(LocalPopulation):
 
     closed = False
 
-    def __init__(self, config, version: int, fault):
-        super().__init__(config)
+    def __init__(self, population, worker, version: int, fault):
+        super().__init__(population, worker)
         self.version, self.fault = version, fault
 
     def gather(self, theta: Any, version: int):
@@ -249,7 +250,7 @@ def _config(root: Path, **train):
 def _run_until_fault(config, version: int, fault) -> RunWriteError:
     FaultAt.closed = False
     with pytest.raises(RunWriteError) as info:
-        train(config, lambda c: FaultAt(c, version, fault), stream=io.StringIO())
+        train(config, lambda p, w: FaultAt(p, w, version, fault), stream=io.StringIO())
     assert FaultAt.closed, "the population was not shut down"
     return info.value
 
@@ -260,7 +261,7 @@ def _assert_checkpoints_intact(run_dir: Path, config, steps: list[int]) -> None:
         f"ckpt_{step:08d}.npz" for step in steps
     ]
     for path in list_checkpoints(checkpoints):
-        load_checkpoint(path, Learner(config).checkpoint_tree())
+        load_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
 
 
 def test_a_full_disk_stops_the_run_with_its_checkpoints_intact_and_a_rerun_resumes(
@@ -319,7 +320,7 @@ def test_failing_event_writes_cost_only_the_summaries(tmp_path, caplog):
         disk.armed = True
 
     with disk.installed(), caplog.at_level(logging.WARNING, logger="popmeta"):
-        result = train(config, lambda c: FaultAt(c, 3, fill), stream=io.StringIO())
+        result = train(config, lambda p, w: FaultAt(p, w, 3, fill), stream=io.StringIO())
     assert result.final_step == 10 and not result.interrupted
     assert caplog.text.count("cannot write TensorBoard events") == 1
     assert (
@@ -376,7 +377,7 @@ def test_a_final_checkpoint_that_fails_does_not_hide_the_error_that_stopped_the_
     FaultAt.closed = False
     lost = pytest.raises(RuntimeError, match="every worker was lost")
     with disk.installed(), caplog.at_level(logging.WARNING, logger="popmeta"), lost:
-        train(config, lambda c: LostPopulation(c, 3, fill), stream=io.StringIO())
+        train(config, lambda p, w: LostPopulation(p, w, 3, fill), stream=io.StringIO())
     assert FaultAt.closed
     assert caplog.text.count("the final checkpoint was not written: cannot write") == 1
     assert list((tmp_path / "faulty" / "checkpoints").iterdir()) == []
@@ -384,7 +385,7 @@ def test_a_final_checkpoint_that_fails_does_not_hide_the_error_that_stopped_the_
     disk.armed = False
     full = pytest.raises(RunWriteError, match=r"ckpt_00000008\.npz: No space left")
     with disk.installed(), full:
-        train(config, lambda c: FaultAt(c, 6, fill), stream=io.StringIO())
+        train(config, lambda p, w: FaultAt(p, w, 6, fill), stream=io.StringIO())
 
 
 DRIVER = """

@@ -20,7 +20,7 @@ import yaml
 import popmeta as pm
 from popmeta.config import ConfigError, config_from_dict, config_to_dict, load_config
 from popmeta.evaluate import load_theta
-from popmeta.experiment import build_outer_optimizer, build_task_family
+from popmeta.experiment import build_outer_optimizer, build_task_family, learner_start
 from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint
 from popmeta.learner.learner import Learner
 from popmeta.registry import TASK_FAMILIES
@@ -98,7 +98,7 @@ def test_an_old_run_resumes_bit_for_bit_and_its_checkpoint_evaluates(tmp_path):
 
     straight = config_from_dict({**today, "run_dir": str(tmp_path / "straight")})
     pm.train(straight, stream=io.StringIO())
-    target = Learner(straight).checkpoint_tree()
+    target = Learner.of(learner_start(straight)).checkpoint_tree()
     ends = [
         load_checkpoint(list_checkpoints(root / "oldformat" / "checkpoints")[-1], target)
         for root in (tmp_path, tmp_path / "straight")

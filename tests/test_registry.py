@@ -25,6 +25,7 @@ from popmeta.core.learned_optimizers import LearnedOptimizer
 from popmeta.core.tasks import TaskFamily
 from popmeta.core.truncation import TruncationSchedule
 from popmeta.experiment import (
+    EstimatorSections,
     build_estimator,
     build_learned_optimizer,
     build_task_family,
@@ -150,7 +151,7 @@ def test_every_estimator_builds_on_the_configured_step():
             truncation=TruncationConfig(options={"length": 12}),
             estimator=EstimatorConfig(kind=name, options=options, num_tasks=2),
         )
-        estimator = build_estimator(config)
+        estimator = build_estimator(EstimatorSections.of(config))
         assert isinstance(estimator, GradientEstimator), name
         assert estimator.truncated_step.num_tasks == 2
         # FullES unrolls whole episodes; the others one truncation.

@@ -25,7 +25,7 @@ import pytest
 
 from popmeta.actors.worker import EstimatorWorker, exported_state_template
 from popmeta.config import Config, config_to_yaml
-from popmeta.experiment import initial_theta
+from popmeta.experiment import EstimatorSections, WorkerSpec, initial_theta, learner_start
 from popmeta.learner.checkpoints import (
     Checkpoint,
     list_checkpoints,
@@ -38,7 +38,7 @@ from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.run_loop import train
 from tests.local_run import local_config
-from tests.population import tree_bytes
+from tests.population import local_population, ray_population, tree_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,9 +83,9 @@ def _final(config: Config) -> Checkpoint:
     """The run's newest checkpoint, learner and worker states."""
     path = list_checkpoints(Path(config.run_dir) / config.name / "checkpoints")[-1]
     ranks = read_checkpoint_metadata(path)["worker_ranks"]
-    template = exported_state_template(config)
+    template = exported_state_template(WorkerSpec.of(config))
     target = {
-        **Learner(config).checkpoint_tree(),
+        **Learner.of(learner_start(config)).checkpoint_tree(),
         "workers": {str(rank): template for rank in ranks},
     }
     return load_checkpoint(path, target)
@@ -121,8 +121,8 @@ def _assert_bitwise_equal(a: Checkpoint, b: Checkpoint) -> None:
 
 def test_a_worker_continues_bit_for_bit_from_an_exported_state(tmp_path):
     config = _config(tmp_path, "worker")
-    theta = jax.tree_util.tree_map(np.asarray, initial_theta(config))
-    original = EstimatorWorker(config, rank=1)
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(EstimatorSections.of(config)))
+    original = EstimatorWorker(WorkerSpec.of(config), rank=1)
     assert original.export_state() is None  # nothing to save before the first estimate
     original.compute(theta, 0)
     original.compute(theta, 1)
@@ -130,7 +130,7 @@ def test_a_worker_continues_bit_for_bit_from_an_exported_state(tmp_path):
     # A repeat of version 1 uses a key of its own: the repeat count is in the state.
     expected = [original.compute(theta, 1), original.compute(theta, 2)]
 
-    resumed = EstimatorWorker(config, rank=1)
+    resumed = EstimatorWorker(WorkerSpec.of(config), rank=1)
     resumed.load_state(saved)
     assert tree_bytes(resumed.export_state()) == tree_bytes(saved)
     got = [resumed.compute(theta, 1), resumed.compute(theta, 2)]
@@ -140,24 +140,26 @@ def test_a_worker_continues_bit_for_bit_from_an_exported_state(tmp_path):
         assert np.array_equal(have.phases, want.phases)
 
     # Without the state the same calls give other estimates: the state matters.
-    fresh = EstimatorWorker(config, rank=1)
+    fresh = EstimatorWorker(WorkerSpec.of(config), rank=1)
     assert tree_bytes(fresh.compute(theta, 1).grad) != tree_bytes(expected[0].grad)
 
 
 def test_a_state_that_does_not_fit_is_refused_naming_the_entry(tmp_path):
     config = _config(tmp_path, "worker")
-    theta = jax.tree_util.tree_map(np.asarray, initial_theta(config))
-    worker = EstimatorWorker(config, rank=0)
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(EstimatorSections.of(config)))
+    worker = EstimatorWorker(WorkerSpec.of(config), rank=0)
     worker.compute(theta, 0)
     before = worker.export_state()
     other = _config(tmp_path, "other", estimator={"num_tasks": 4})
-    bigger = EstimatorWorker(other, rank=0)
+    bigger = EstimatorWorker(WorkerSpec.of(other), rank=0)
     bigger.compute(theta, 0)
     with pytest.raises(
         ValueError, match=r"params: expected float32\[2, 2, 3\] .*found float32\[2, 4, 3\]"
     ):
         worker.load_state(bigger.export_state())
-    nres = EstimatorWorker(_config(tmp_path, "nres", estimator={"kind": "nres"}), rank=0)
+    nres = EstimatorWorker(
+        WorkerSpec.of(_config(tmp_path, "nres", estimator={"kind": "nres"})), rank=0
+    )
     nres.compute(theta, 0)
     with pytest.raises(ValueError, match=r"worker state entry .*\.accumulator.* is missing"):
         worker.load_state(nres.export_state())
@@ -165,8 +167,8 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_entry(tmp_path):
 
 
 def test_a_gather_interrupted_half_way_exports_no_states(tmp_path):
-    population = LocalPopulation(_config(tmp_path, "half"))
-    theta = jax.tree_util.tree_map(np.asarray, initial_theta(population.workers[0].config))
+    population = local_population(_config(tmp_path, "half"))
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(population.workers[0].spec.sections))
     population.gather(theta, 0)
     assert sorted(population.export_worker_states()) == [0, 1]
 
@@ -219,7 +221,7 @@ def test_second_ctrl_c_mid_round_keeps_the_checkpoint_of_the_round_boundary(tmp_
     config = _config(tmp_path, "twice")
 
     def factory(config: Config) -> LocalPopulation:
-        population = LocalPopulation(config)
+        population = local_population(config)
         compute = population.workers[1].compute
 
         def compute_or_stop(theta: Any, version: int) -> Any:
@@ -245,7 +247,7 @@ def test_checkpoints_without_worker_states_still_resume(tmp_path, reference):
     # Rewrite the newest checkpoint as checkpoints were before worker states:
     # the learner's tree only, no optional section, no worker_ranks.
     path = list_checkpoints(tmp_path / "old" / "checkpoints")[-1]
-    learner_only = load_checkpoint(path, Learner(config).checkpoint_tree())
+    learner_only = load_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
     save_checkpoint(path.parent, learner_only.step, learner_only.tree, metadata={})
     out = _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
     assert "at step 3" in out and "worker states restored" not in out
@@ -302,8 +304,8 @@ def test_a_run_started_on_the_local_engine_continues_on_ray_bitwise(
 
 def test_ray_async_actors_take_their_saved_states_where_they_fit(ray_session, tmp_path):
     config = _ray_config(tmp_path, "async", mode="async", batch_size=2, calls_in_flight=2)
-    theta = jax.tree_util.tree_map(np.asarray, initial_theta(config))
-    with RayPopulation(config) as population:
+    theta = jax.tree_util.tree_map(np.asarray, initial_theta(EstimatorSections.of(config)))
+    with ray_population(config) as population:
         for version in range(3):
             population.gather(theta, version)
         # Calls are still queued: each state is the one they leave behind.
@@ -313,7 +315,7 @@ def test_ray_async_actors_take_their_saved_states_where_they_fit(ray_session, tm
     assert max(int(state["last_version"]) for state in saved.values()) == 2
 
     wrong = dict(saved[1], key=np.zeros(5, np.uint32))
-    with RayPopulation(config) as population:
+    with ray_population(config) as population:
         outcome = population.load_worker_states({0: saved[0], 1: wrong, 7: saved[0]})
         assert outcome.restored == (0,)
         assert list(outcome.fresh) == [1] and "['key']: expected uint32[2]" in outcome.fresh[1]

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from popmeta.actors.worker import exported_state_template
+from popmeta.config import config_to_dict
+from popmeta.experiment import WorkerSpec, learner_start
 from popmeta.learner.checkpoints import (
     list_checkpoints,
     load_checkpoint,
@@ -88,7 +90,7 @@ def test_a_damaged_workers_section_resumes_bitwise_from_the_checkpoint_before(fi
     newest = run / "checkpoints" / "ckpt_00000004.npz"
     damaged = _flip_a_byte_of(newest, f"['{WORKERS}']")
     # A reader of the learner alone (evaluation) does not even see the damage.
-    load_checkpoint(newest, Learner(_config(tmp_path)).checkpoint_tree())
+    load_checkpoint(newest, Learner.of(learner_start(_config(tmp_path))).checkpoint_tree())
 
     stream = io.StringIO()
     resumed = train(_config(tmp_path, num_steps=6), stream=stream)
@@ -101,7 +103,7 @@ def test_a_damaged_workers_section_resumes_bitwise_from_the_checkpoint_before(fi
 
     straight = _config(tmp_path / "straight", num_steps=6)
     train(straight, stream=io.StringIO())
-    learner = Learner(straight)
+    learner = Learner.of(learner_start(straight))
     ends = [
         load_checkpoint(root / "checkpoints" / "ckpt_00000006.npz", learner.checkpoint_tree())
         for root in (run, tmp_path / "straight" / "ckpts")
@@ -139,7 +141,7 @@ def test_a_diverging_run_keeps_its_good_checkpoints_and_names_one_that_exists(tm
     checkpoints = list_checkpoints(tmp_path / "ckpts" / "checkpoints")
     # No checkpoint of the diverged step 7: the three good ones stay, none evicted.
     assert [p.name for p in checkpoints] == [f"ckpt_0000000{s}.npz" for s in (2, 4, 6)]
-    learner = Learner(config)
+    learner = Learner.of(learner_start(config))
     for path in checkpoints:
         ranks = read_checkpoint_metadata(path)["worker_ranks"]
         assert ranks == [0, 1]
@@ -154,9 +156,16 @@ def test_a_diverging_run_keeps_its_good_checkpoints_and_names_one_that_exists(tm
 def test_a_checkpoint_never_holds_a_non_finite_value(finished, tmp_path, caplog):
     run_path = _copy(finished, tmp_path)
     config = _config(tmp_path, num_steps=6)
-    run = RunDirectory(config)
-    checkpoints = RunCheckpoints(run, config, io.StringIO())
-    learner = Learner(config)
+    run = RunDirectory(config.run_dir, config.name)
+    checkpoints = RunCheckpoints(
+        run,
+        lambda: exported_state_template(WorkerSpec.of(config)),
+        keep=config.train.keep_checkpoints,
+        metadata={"config": config_to_dict(config)},
+        learned_optimizer=config.learned_optimizer.kind,
+        stream=io.StringIO(),
+    )
+    learner = Learner.of(learner_start(config))
     good = checkpoints.restore(learner, None)  # step 4, with its worker states
     assert sorted(good) == [0, 1]
 
@@ -183,9 +192,9 @@ def test_worker_states_saved_non_finite_by_an_older_popmeta_start_afresh(finishe
     run = _copy(finished, tmp_path)
     newest = run / "checkpoints" / "ckpt_00000004.npz"
     config = _config(tmp_path, num_steps=6)
-    learner = Learner(config)
+    learner = Learner.of(learner_start(config))
     metadata = read_checkpoint_metadata(newest)
-    template = exported_state_template(config)
+    template = exported_state_template(WorkerSpec.of(config))
     workers = {str(rank): template for rank in metadata["worker_ranks"]}
     tree = load_checkpoint(newest, {**learner.checkpoint_tree(), WORKERS: workers}).tree
     for state in tree[WORKERS].values():

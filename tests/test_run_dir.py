@@ -72,7 +72,8 @@ def test_a_finished_run_says_so_without_starting_anything(finished, tmp_path):
 
 
 def test_a_second_live_run_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
-    run = RunDirectory(_config(tmp_path))
+    config = _config(tmp_path)
+    run = RunDirectory(config.run_dir, config.name)
     with run.claim():
         with pytest.raises(RunDirectoryError, match=r"in use by a live run \(pid"):
             train(_config(tmp_path), no_population, stream=io.StringIO())
@@ -81,7 +82,8 @@ def test_a_second_live_run_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
             "import json, sys\n"
             "from popmeta.config import config_from_dict\n"
             "from popmeta.run_dir import RunDirectory, RunDirectoryError\n"
-            "run = RunDirectory(config_from_dict(json.loads(sys.argv[1])))\n"
+            "config = config_from_dict(json.loads(sys.argv[1]))\n"
+            "run = RunDirectory(config.run_dir, config.name)\n"
             "try:\n    run.claim().__enter__()\nexcept RunDirectoryError as e:\n"
             "    print(e); sys.exit(3)\n"
         )
@@ -115,7 +117,7 @@ def test_a_start_that_fails_leaves_nothing_behind(tmp_path):
         )
     assert _files(tmp_path) == ["bad.npz"]
 
-    def population_fails(config):
+    def population_fails(population, worker):
         raise RuntimeError("no actor could start")
 
     with pytest.raises(RuntimeError, match="no actor could start"):

@@ -204,7 +204,7 @@ def test_a_run_that_fails_keeps_its_checkpoints_in_the_bucket(s3):
 
 
 def test_a_start_that_fails_writes_nothing_to_the_bucket(s3):
-    def population_fails(config):
+    def population_fails(population, worker):
         raise RuntimeError("no actor could start")
 
     with pytest.raises(RuntimeError, match="no actor could start"):

@@ -7,6 +7,7 @@ import io
 import pytest
 
 import popmeta
+from popmeta.experiment import WorkerSpec, learner_start
 from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint, read_checkpoint_metadata
 from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
@@ -48,7 +49,7 @@ def test_a_failing_shutdown_keeps_the_final_checkpoint_and_the_events(tmp_path):
 
 def test_the_local_engine_needs_no_ray_and_reports_its_workers(tmp_path):
     config = _config(tmp_path)
-    with open_population(config) as population:
+    with open_population(config, WorkerSpec.of(config)) as population:
         assert isinstance(population, LocalPopulation)
         actors = population.describe_actors()
         assert [a["rank"] for a in actors] == [0, 1]
@@ -70,7 +71,7 @@ def test_popmeta_train_from_python_returns_theta_and_the_newest_checkpoint(tmp_p
     result = popmeta.train(config, stream=io.StringIO())
     assert isinstance(result, popmeta.RunResult) and result.final_step == 6
     assert result.checkpoint == tmp_path / "owner" / "checkpoints" / "ckpt_00000006.npz"
-    saved = load_checkpoint(result.checkpoint, Learner(config).checkpoint_tree())
+    saved = load_checkpoint(result.checkpoint, Learner.of(learner_start(config)).checkpoint_tree())
     assert tree_bytes(result.theta) == tree_bytes(saved.tree["theta"])
     # A second call finds the run finished: the same theta, nothing trained.
     again = popmeta.train(config, stream=io.StringIO())

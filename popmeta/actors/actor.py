@@ -1,6 +1,6 @@
 """The Ray actor that hosts one :class:`~popmeta.actors.worker.EstimatorWorker`.
 
-The actor is built from the picklable :class:`~popmeta.config.Config`; every
+The actor is built from a picklable :class:`~popmeta.experiment.WorkerSpec`; every
 JAX object (estimator, jitted functions, device arrays) is created inside the
 actor process and never crosses a process boundary. Theta arrives as the
 ObjectRef of the learner's one ``ray.put`` per version, which Ray resolves to
@@ -34,13 +34,15 @@ import socket
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 
-from popmeta.config import Config
 from popmeta.estimate import Estimate
+
+if TYPE_CHECKING:  # imported by the worker only once the process is pinned
+    from popmeta.experiment import WorkerSpec
 
 __all__ = [
     "ActorBuildError",
@@ -144,10 +146,10 @@ def _threads_within(cores: set[int]) -> bool:
     return True
 
 
-def _warm_up(worker: Any, config: Config) -> None:
+def _warm_up(worker: Any) -> None:
     """Compiles the worker's estimate by running it once on throwaway state.
 
-    The throwaway state starts from the initial theta with a key of its own;
+    The throwaway state starts from a theta of zeros with a key of its own;
     the worker's state and keys are untouched, so its estimates are exactly
     those of a worker that was not warmed up. The jitted functions compiled are
     the ones the worker's calls use (same shapes and dtypes, theta as numpy
@@ -157,11 +159,9 @@ def _warm_up(worker: Any, config: Config) -> None:
     """
     import jax
 
-    from popmeta.experiment import initial_theta
-
     if getattr(worker.estimator.truncated_step, "host_data", False):
         return
-    theta = jax.tree_util.tree_map(np.asarray, initial_theta(config))
+    theta = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), worker.spec.theta)
     key = jax.random.key(0)
     state = worker.runner.init_worker_state(theta, key)
     out, _ = worker.runner.compute_gradient_estimate(
@@ -187,11 +187,11 @@ class EstimatorActor:
     """One estimator worker in its own process.
 
     Args:
-      config: the run's config, pickled (``ray.cloudpickle``); the worker
-        builds everything from it. Unpickled by the constructor, so that a
-        module of the user's the actor cannot import is reported like any
-        other failure to build (see :class:`ActorBuildError`).
-      rank: the worker's rank (fixes its keys with ``config.seed``).
+      spec: the :class:`~popmeta.experiment.WorkerSpec` the worker is built
+        from, pickled (``ray.cloudpickle``). Unpickled by the constructor, so
+        that a module of the user's the actor cannot import is reported like
+        any other failure to build (see :class:`ActorBuildError`).
+      rank: the worker's rank (fixes its keys with the run's seed).
       restart: how many times this rank has been replaced; a replacement gets
         fresh keys, so its inner problems restart at new random offsets.
       pin_cpus: core positions to pin this process to before JAX runs (see
@@ -207,7 +207,7 @@ class EstimatorActor:
 
     def __init__(
         self,
-        config: bytes,
+        spec: bytes,
         rank: int,
         restart: int = 0,
         pin_cpus: Sequence[int] | None = None,
@@ -216,11 +216,11 @@ class EstimatorActor:
         self.restart = restart
         self._build_error: BaseException | None = None
         try:
-            self._build(ray.cloudpickle.loads(config), pin_cpus)
+            self._build(ray.cloudpickle.loads(spec), pin_cpus)
         except Exception as err:
             self._build_error = err
 
-    def _build(self, config: Config, pin_cpus: Sequence[int] | None) -> None:
+    def _build(self, spec: WorkerSpec, pin_cpus: Sequence[int] | None) -> None:
         start = time.perf_counter()
         # Before anything compiles: JAX decides once per process whether to use the cache.
         cache_counts = use_compilation_cache()
@@ -229,9 +229,9 @@ class EstimatorActor:
         # creates XLA's CPU thread pool, which must inherit the affinity.
         from popmeta.actors.worker import EstimatorWorker
 
-        self._worker = EstimatorWorker(config, self.rank, self.restart)
+        self._worker = EstimatorWorker(spec, self.rank, self.restart)
         built = time.perf_counter()
-        _warm_up(self._worker, config)
+        _warm_up(self._worker)
         done = time.perf_counter()
         self._start = {
             "start_s": done - start,

@@ -35,10 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from popmeta.config import Config
 from popmeta.core.estimators import EstimateRunner, GradientEstimator, make_runner
 from popmeta.estimate import Estimate
-from popmeta.experiment import build_estimator, initial_theta
+from popmeta.experiment import WorkerSpec, build_estimator
 
 __all__ = ["EstimatorWorker", "exported_state_template", "worker_key"]
 
@@ -59,31 +58,30 @@ def worker_key(seed: int, rank: int, restart: int = 0) -> jax.Array:
 
 
 def exported_state_template(
-    config: Config, estimator: GradientEstimator | None = None
+    spec: WorkerSpec, estimator: GradientEstimator | None = None
 ) -> dict[str, Any]:
     """The structure, shapes and dtypes of :meth:`EstimatorWorker.export_state`.
 
     Traced with ``jax.eval_shape``: nothing is computed or compiled. Every
-    rank of a config has the same template.
+    rank of a run has the same template.
 
     Args:
-      config: the run's config.
-      estimator: the estimator built from ``config``, if at hand (else it is built).
+      spec: what the workers are built from.
+      estimator: the estimator built from ``spec``, if at hand (else it is built).
 
     Returns:
       ``{"key", "last_version", "repeats", "state"}`` with
       ``jax.ShapeDtypeStruct`` leaves: a target for
       :func:`~popmeta.learner.checkpoints.load_checkpoint`.
     """
-    estimator = estimator or build_estimator(config)
-    key = worker_key(config.seed, 0)
-    theta = jax.eval_shape(lambda: initial_theta(config))
+    estimator = estimator or build_estimator(spec.sections)
+    key = worker_key(spec.sections.seed, 0)
     counter = jax.ShapeDtypeStruct((), np.int64)
     return {
         "key": jax.eval_shape(jax.random.key_data, key),
         "last_version": counter,
         "repeats": counter,
-        "state": jax.eval_shape(estimator.init_worker_state, theta, key),
+        "state": jax.eval_shape(estimator.init_worker_state, spec.theta, key),
     }
 
 
@@ -110,11 +108,11 @@ def _check_fits(template: Any, tree: Any) -> None:
             )
 
 
-def _runner(config: Config, estimator: GradientEstimator) -> EstimateRunner:
+def _runner(shard_tasks: bool, estimator: GradientEstimator) -> EstimateRunner:
     """The runner of the worker's estimator: sharded over the local devices when there are several.
 
     Args:
-      config: the run's config; ``population.shard_tasks`` allows sharding.
+      shard_tasks: whether sharding is allowed (``population.shard_tasks``).
       estimator: the worker's estimator.
 
     Returns:
@@ -124,7 +122,7 @@ def _runner(config: Config, estimator: GradientEstimator) -> EstimateRunner:
     Raises:
       ValueError: if the tasks are to be sharded and do not split evenly over the devices.
     """
-    devices = jax.local_devices() if config.population.shard_tasks else []
+    devices = jax.local_devices() if shard_tasks else []
     try:
         return make_runner(estimator, devices)
     except ValueError as err:
@@ -164,8 +162,8 @@ class EstimatorWorker:
     """Computes gradient estimates of theta with its own inner problems.
 
     Args:
-      config: the run's config; the estimator and its truncated step are built from it.
-      rank: the worker's index; with ``config.seed`` it fixes every key the worker uses.
+      spec: what the worker is built from.
+      rank: the worker's index; with the run's seed it fixes every key the worker uses.
       restart: how many times this rank has been replaced.
 
     Attributes:
@@ -178,13 +176,15 @@ class EstimatorWorker:
         ``estimator.num_tasks`` is not a multiple of their number.
     """
 
-    def __init__(self, config: Config, rank: int, restart: int = 0):
+    def __init__(self, spec: WorkerSpec, rank: int, restart: int = 0):
+        # Each worker builds its own estimator, as each actor does: a task that
+        # pulls host batches keeps its iterator in it, one per worker.
         self.rank = rank
-        self.config = config
-        self.estimator = build_estimator(config)
-        self.runner: EstimateRunner = _runner(config, self.estimator)
-        self.truncations_per_call = config.estimator.truncations_per_call
-        self._key = worker_key(config.seed, rank, restart)
+        self.spec = spec
+        self.estimator = build_estimator(spec.sections)
+        self.runner: EstimateRunner = _runner(spec.shard_tasks, self.estimator)
+        self.truncations_per_call = spec.sections.estimator.truncations_per_call
+        self._key = worker_key(spec.sections.seed, rank, restart)
         self._state: Any = None
         # A loaded state, as host arrays: placed on the devices by the next call.
         self._loaded: Any = None
@@ -300,7 +300,7 @@ class EstimatorWorker:
             the first entry that differs. The worker is then left as it was.
         """
         if self._template is None:
-            self._template = exported_state_template(self.config, self.estimator)
+            self._template = exported_state_template(self.spec, self.estimator)
         _check_fits(self._template, dict(exported))
         impl = jax.random.key_impl(self._key)
         self._key = jax.random.wrap_key_data(np.asarray(exported["key"]), impl=impl)

@@ -25,6 +25,7 @@ from popmeta.evaluate.runs import (
     SettingReport,
     evaluate,
     evaluate_setting,
+    learned_optimizer_run,
     settings_of,
     trained_horizon,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "evaluate_checkpoint",
     "evaluate_setting",
     "format_reports",
+    "learned_optimizer_run",
     "load_theta",
     "paired_interval",
     "scores_of",

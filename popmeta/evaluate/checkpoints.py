@@ -11,6 +11,7 @@ from popmeta.config import Config, config_from_dict
 from popmeta.evaluate.baselines import BaselineCache
 from popmeta.evaluate.report import EvalOutput, EvalWriteError, check_output_dir, write_reports
 from popmeta.evaluate.runs import SettingReport, evaluate
+from popmeta.experiment import learner_start
 from popmeta.learner.checkpoints import load_checkpoint, read_checkpoint_metadata
 from popmeta.learner.learner import Learner
 from popmeta.storage import StorageError, join, local_file, parent
@@ -29,7 +30,7 @@ def load_theta(checkpoint: str | Path) -> tuple[Config, Any]:
         recorded=True,
         search_path=metadata.get("module_dirs", ()),
     )
-    restored = load_checkpoint(checkpoint, Learner(config).checkpoint_tree())
+    restored = load_checkpoint(checkpoint, Learner.of(learner_start(config)).checkpoint_tree())
     return config, restored.tree["theta"]
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
 import numpy as np
 
-from popmeta.config import Config
-from popmeta.evaluate.runs import learned_optimizer_run, settings_of
+from popmeta.core.evaluation import TrainingCurves
 from popmeta.evaluate.statistics import TaskScores, scores_of
 from popmeta.summaries import Summaries
 
@@ -26,10 +26,14 @@ class PeriodicEvaluator:
     which the run loop calls before each :meth:`submit`. Only the
     learned optimizer runs here (no baselines), on the test tasks of the
     trained-horizon setting, so successive points are comparable.
+
+    Args:
+      run: trains the setting's test tasks with a theta
+        (:func:`~popmeta.evaluate.runs.learned_optimizer_run` of the trained horizon).
     """
 
-    def __init__(self, config: Config):
-        self._run = learned_optimizer_run(config, settings_of(config)[0])
+    def __init__(self, run: Callable[[Any], TrainingCurves]):
+        self._run = run
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="popmeta-eval")
         # Only the caller's thread reads or replaces it; the worker thread only
         # completes the future.

@@ -29,6 +29,7 @@ from popmeta.core.optimizers import OptaxOptimizer, Optimizer
 from popmeta.evaluate.baselines import BASELINES, BaselineCache, tune_baseline
 from popmeta.evaluate.statistics import Comparison, TaskScores, compare, scores_of
 from popmeta.experiment import (
+    EstimatorSections,
     build_learned_optimizer,
     build_task_family,
     build_truncation_schedule,
@@ -217,7 +218,7 @@ def evaluate(
       One report per setting.
     """
     settings = settings_of(config) if settings is None else list(settings)
-    thetas = {"learned": theta, "untrained": initial_theta(config)}
+    thetas = {"learned": theta, "untrained": initial_theta(EstimatorSections.of(config))}
     units = _Units(len(settings) * (len(thetas) + len(BASELINES)), stream)
     try:
         return [evaluate_setting(config, s, thetas, units, baseline_cache) for s in settings]

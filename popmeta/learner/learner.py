@@ -6,11 +6,12 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
-from popmeta.config import Config
 from popmeta.estimate import Aggregate, Estimate, aggregate
-from popmeta.experiment import build_outer_optimizer, initial_theta, learner_keys
+from popmeta.experiment import LearnerStart
 from popmeta.learner.train_state import TrainState, build_apply_estimates_fn, make_outer_optimizer
 
 __all__ = ["Learner", "Update"]
@@ -30,19 +31,27 @@ class Update(NamedTuple):
 
 
 class Learner:
-    """Holds the ``TrainState`` of theta; one jitted, donating step per round of estimates."""
+    """Holds the ``TrainState`` of theta; one jitted, donating step per round of estimates.
 
-    def __init__(self, config: Config):
-        self.config = config
-        theta = initial_theta(config)
-        outer = config.outer_optimizer
-        tx = make_outer_optimizer(build_outer_optimizer(outer), outer.clip_grad_norm)
-        self.state = TrainState.initial_state(theta, tx, learner_keys(config)[1])
+    Args:
+      theta: theta to start from.
+      optimizer: the outer optimizer (clipping included: :func:`make_outer_optimizer`).
+      rng: the ``TrainState``'s key.
+    """
+
+    def __init__(self, theta: Any, optimizer: optax.GradientTransformation, rng: jax.Array):
+        self.state = TrainState.initial_state(theta, optimizer, rng)
         self._step = build_apply_estimates_fn(donate_params_and_state=True)
         self._theta_host: Any = None
         # The most estimates a round has had, and a theta of zeros to pad with.
         self._round_size = 0
         self._zeros: Any = None
+
+    @classmethod
+    def of(cls, start: LearnerStart) -> Learner:
+        """The learner of a run (``Experiment.learner``); theta is copied, as the step donates it."""
+        optimizer = make_outer_optimizer(start.outer_transforms, start.clip_grad_norm)
+        return cls(jax.tree_util.tree_map(jnp.copy, start.theta), optimizer, start.rng)
 
     @property
     def version(self) -> int:

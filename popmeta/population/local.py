@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from popmeta.actors.worker import EstimatorWorker
-from popmeta.config import Config
+from popmeta.config import PopulationConfig
+from popmeta.experiment import WorkerSpec
 from popmeta.population.base import Gathered, WorkerRestore
 
 __all__ = ["LocalPopulation"]
@@ -19,12 +20,14 @@ class LocalPopulation:
 
     Nothing is ever stale, dropped or replaced: every :meth:`gather` returns one
     estimate per worker on the version asked for.
+
+    Args:
+      population: how many workers (``num_actors``; the local engine reads nothing else).
+      worker: what each worker is built from.
     """
 
-    def __init__(self, config: Config):
-        self.workers = [
-            EstimatorWorker(config, rank) for rank in range(config.population.num_actors)
-        ]
+    def __init__(self, population: PopulationConfig, worker: WorkerSpec):
+        self.workers = [EstimatorWorker(worker, rank) for rank in range(population.num_actors)]
         # True while a gather runs: an exception out of it (Ctrl-C) leaves the
         # workers before it one call ahead of the others.
         self._mid_gather = False

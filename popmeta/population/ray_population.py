@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -95,8 +95,9 @@ import numpy as np
 import ray
 
 from popmeta.actors.actor import EstimatorActor
-from popmeta.config import Config
+from popmeta.config import PopulationConfig
 from popmeta.estimate import Estimate
+from popmeta.experiment import WorkerSpec
 from popmeta.population.base import Gathered, WorkerRestore
 from popmeta.population.supervisor import ActorSupervisor
 
@@ -121,16 +122,23 @@ INLINE_THETA_BYTES = 64 * 1024
 STARVING_SPACINGS = 8
 
 
-def job_runtime_env(config: Config) -> dict[str, Any] | None:
+def job_runtime_env(
+    runtime_env: Mapping[str, Any], found_modules: Sequence[str]
+) -> dict[str, Any] | None:
     """The job's Ray runtime environment: ``population.runtime_env``, and the modules of the
     user's kinds the driver found only beside the config file (in ``py_modules``).
 
     Ray uploads local ``working_dir`` and ``py_modules`` paths from the job's
     runtime environment only (``ray.init``), never from an actor's; the actors
     inherit it. None when there is nothing to set.
+
+    Args:
+      runtime_env: ``population.runtime_env``.
+      found_modules: the directories of modules the driver found beside the
+        config file (``Config.found_modules``).
     """
-    env = dict(config.population.runtime_env)
-    shipped = [*env.get("py_modules", []), *config.found_modules()]
+    env = dict(runtime_env)
+    shipped = [*env.get("py_modules", []), *found_modules]
     if shipped:
         env["py_modules"] = list(dict.fromkeys(shipped))
     return env or None
@@ -305,8 +313,8 @@ class RayPopulation:
     """``population.num_actors`` estimator actors (or one per node) on Ray.
 
     Args:
-      config: the run's config; ``config.population`` says how many actors,
-        where, and in which mode.
+      population: how many actors, where, and in which mode.
+      worker: what each actor builds its worker from.
 
     Raises:
       RuntimeError: Ray is not initialised in this process.
@@ -315,14 +323,14 @@ class RayPopulation:
         :class:`~popmeta.population.supervisor.ActorSupervisor`).
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, population: PopulationConfig, worker: WorkerSpec):
         if not ray.is_initialized():
             raise RuntimeError(
                 "RayPopulation needs Ray running in this process; start it first with "
-                "popmeta.population.ray_runtime.start_ray_for(config.population), e.g. "
-                "`with start_ray_for(config.population): RayPopulation(config)`"
+                "popmeta.population.ray_runtime.start_ray_for(population), e.g. "
+                "`with start_ray_for(population): RayPopulation(population, worker)`"
             )
-        pc = self._pc = config.population
+        pc = self._pc = population
         self._theta_arg: Any = None
         self._theta_version: int | None = None
         self._closed = False
@@ -332,7 +340,7 @@ class RayPopulation:
         # the population's start go to the first one.
         self._reported_restarts = self._reported_lost = 0
 
-        pickled = ray.cloudpickle.dumps(config)
+        pickled = ray.cloudpickle.dumps(worker)
 
         def actor_args(rank: int, restart: int, pin: tuple[int, ...] | None) -> tuple[Any, ...]:
             return pickled, rank, restart, pin

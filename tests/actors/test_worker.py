@@ -31,7 +31,12 @@ from popmeta.core.estimators import (
     SingleDeviceRunner,
     make_runner,
 )
-from popmeta.experiment import build_estimator, build_learned_optimizer
+from popmeta.experiment import (
+    EstimatorSections,
+    WorkerSpec,
+    build_estimator,
+    build_learned_optimizer,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_DEVICES = 4
@@ -72,7 +77,7 @@ def _leaves(tree):
 
 def test_single_device_worker_runs_unsharded():
     assert len(jax.local_devices()) == 1  # the in-process tests see the default device
-    worker = EstimatorWorker(_config(shard_tasks=True), rank=0)
+    worker = EstimatorWorker(WorkerSpec.of(_config(shard_tasks=True)), rank=0)
     assert isinstance(worker.runner, SingleDeviceRunner)
     assert isinstance(worker.runner, EstimateRunner)
     # The estimator's own runner: shared with estimator.compute_gradient_estimate.
@@ -82,7 +87,7 @@ def test_single_device_worker_runs_unsharded():
 
 
 def test_make_runner_shards_only_over_several_devices():
-    estimator = build_estimator(_config())
+    estimator = build_estimator(EstimatorSections.of(_config()))
     for devices in (None, jax.local_devices()):
         runner = make_runner(estimator, devices)
         assert isinstance(runner, SingleDeviceRunner) and runner.estimator is estimator
@@ -94,16 +99,19 @@ def test_make_runner_shards_only_over_several_devices():
 
 
 def test_steps_per_estimate_counts_truncations_per_call():
-    assert EstimatorWorker(_config(), 0).steps_per_estimate == 2 * 4 * 5
-    assert EstimatorWorker(_config(truncations_per_call=3), 0).steps_per_estimate == 2 * 4 * 5 * 3
-    tes = EstimatorWorker(_config("truncated_es", truncations_per_call=2), 0)
+    assert EstimatorWorker(WorkerSpec.of(_config()), 0).steps_per_estimate == 2 * 4 * 5
+    assert (
+        EstimatorWorker(WorkerSpec.of(_config(truncations_per_call=3)), 0).steps_per_estimate
+        == 2 * 4 * 5 * 3
+    )
+    tes = EstimatorWorker(WorkerSpec.of(_config("truncated_es", truncations_per_call=2)), 0)
     assert tes.steps_per_estimate == 3 * 4 * 5 * 2
 
 
 def test_one_truncation_per_call_is_the_estimator_called_directly():
     config = _config()
-    worker = EstimatorWorker(config, rank=1)
-    estimator = build_estimator(config)
+    worker = EstimatorWorker(WorkerSpec.of(config), rank=1)
+    estimator = build_estimator(EstimatorSections.of(config))
     root = worker_key(config.seed, 1)
     theta = _theta(config)
     state = estimator.init_worker_state(theta, root)
@@ -134,8 +142,8 @@ def test_one_truncation_per_call_is_the_estimator_called_directly():
 
 def test_several_truncations_per_call_are_one_estimate_many_call():
     config = _config("nres", truncations_per_call=3)
-    worker = EstimatorWorker(config, rank=0)
-    estimator = build_estimator(config)
+    worker = EstimatorWorker(WorkerSpec.of(config), rank=0)
+    estimator = build_estimator(EstimatorSections.of(config))
     root = worker_key(config.seed, 0)
     theta = _theta(config)
     state = estimator.init_worker_state(theta, root)
@@ -159,7 +167,7 @@ def test_several_truncations_per_call_are_one_estimate_many_call():
 
 def test_every_call_gets_a_distinct_key_even_on_the_same_version():
     config = _config()
-    worker = EstimatorWorker(config, rank=0)
+    worker = EstimatorWorker(WorkerSpec.of(config), rank=0)
     root = worker_key(config.seed, 0)
     versions = [0, 0, 0, 1, 2, 2]
     keys = [np.asarray(jax.random.key_data(worker._call_key(v))) for v in versions]
@@ -213,9 +221,9 @@ def check_sharded_matches_single_device(kind: str, truncations_per_call: int) ->
     devices = jax.local_devices()
     assert len(devices) == NUM_DEVICES, devices
     num_tasks = 2 * NUM_DEVICES
-    sharded = EstimatorWorker(_config(kind, num_tasks, truncations_per_call), rank=2)
+    sharded = EstimatorWorker(WorkerSpec.of(_config(kind, num_tasks, truncations_per_call)), rank=2)
     single = EstimatorWorker(
-        _config(kind, num_tasks, truncations_per_call, shard_tasks=False), rank=2
+        WorkerSpec.of(_config(kind, num_tasks, truncations_per_call, shard_tasks=False)), rank=2
     )
     assert isinstance(sharded.runner, ShardedRunner) and sharded.num_devices == NUM_DEVICES
     assert isinstance(single.runner, SingleDeviceRunner) and single.num_devices == 1
@@ -259,11 +267,13 @@ def check_sharded_matches_single_device(kind: str, truncations_per_call: int) ->
 def check_indivisible_num_tasks_is_refused() -> None:
     assert len(jax.local_devices()) == NUM_DEVICES
     with pytest.raises(ValueError, match=r"estimator\.num_tasks \(6\).*local devices \(4"):
-        EstimatorWorker(_config(num_tasks=6), rank=0)
+        EstimatorWorker(WorkerSpec.of(_config(num_tasks=6)), rank=0)
     with pytest.raises(ValueError, match=r"num_tasks \(6\).*devices \(4\)"):
-        make_runner(build_estimator(_config(num_tasks=6)), jax.local_devices())
+        make_runner(
+            build_estimator(EstimatorSections.of(_config(num_tasks=6))), jax.local_devices()
+        )
     # Without sharding any num_tasks works.
-    worker = EstimatorWorker(_config(num_tasks=6, shard_tasks=False), rank=0)
+    worker = EstimatorWorker(WorkerSpec.of(_config(num_tasks=6, shard_tasks=False)), rank=0)
     assert isinstance(worker.runner, SingleDeviceRunner)
 
 

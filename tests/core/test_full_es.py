@@ -22,7 +22,7 @@ import pytest
 
 from popmeta import FullES, VectorizedLOptTruncatedStep
 from popmeta.config import load_config
-from popmeta.experiment import build_estimator, initial_theta
+from popmeta.experiment import EstimatorSections, build_estimator, initial_theta
 
 EPISODE = 20
 NUM_CALLS = 256  # FullES calls, each averaging num_tasks antithetic pairs
@@ -44,7 +44,7 @@ class _OffsetEpisodes(VectorizedLOptTruncatedStep):
 @pytest.fixture(scope="module")
 def default_full_es():
     config = load_config(None, ["estimator.kind=full_es", f"truncation.length={EPISODE}"])
-    estimator = build_estimator(config)
+    estimator = build_estimator(EstimatorSections.of(config))
     assert isinstance(estimator, FullES) and estimator.trunc_length == EPISODE
     step = estimator.truncated_step
     # The default config's offset is what made FullES biased; the test must see it.
@@ -88,7 +88,7 @@ def exact(default_full_es):
     """Per-episode ``jax.grad`` of the mean loss, two independent halves."""
     _, estimator = default_full_es
     step = estimator.truncated_step
-    theta = initial_theta(default_full_es[0])
+    theta = initial_theta(EstimatorSections.of(default_full_es[0]))
     grad = jax.jit(jax.vmap(jax.grad(lambda th, k: _episode_loss(step, th, k)), in_axes=(None, 0)))
     keys = jax.random.split(jax.random.key(100), 2 * NUM_EXACT)
     grads = _flat(grad(theta, keys))
@@ -103,7 +103,7 @@ def _z(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_full_es_episodes_start_at_iteration_zero_and_never_reset(default_full_es):
     config, estimator = default_full_es
-    theta = initial_theta(config)
+    theta = initial_theta(EstimatorSections.of(config))
     start = estimator.truncated_step.init_episode_state(theta, None, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(start.inner_step), 0)
     np.testing.assert_array_equal(np.asarray(start.inner_opt_state.iteration), 0)
@@ -116,7 +116,7 @@ def test_full_es_episodes_start_at_iteration_zero_and_never_reset(default_full_e
 
 def test_full_es_default_config_is_unbiased_for_the_episode_mean_loss(default_full_es, exact):
     config, estimator = default_full_es
-    theta = initial_theta(config)
+    theta = initial_theta(EstimatorSections.of(config))
     direction_half, reference_half = exact
     # The direction comes from episodes the comparison does not use.
     direction = direction_half.mean(axis=0)

@@ -35,7 +35,7 @@ from popmeta.core.tasks import (
 )
 from popmeta.core.tree_utils import per_task, tree_add
 from popmeta.core.truncation import ConstantTruncationSchedule
-from popmeta.experiment import build_truncated_step
+from popmeta.experiment import EstimatorSections, build_truncated_step
 from popmeta.run_loop import train
 from tests.events import read_scalars
 from tests.local_run import local_config
@@ -94,8 +94,8 @@ def _config(**task_and_estimator):
 
 def test_meta_loss_split_config_reaches_the_step_and_data_free_families_refuse_it():
     cfg = _config(task={"kind": "image_mlp_digits"}, meta_loss_split="outer_valid")
-    assert build_truncated_step(cfg).meta_loss_split == "outer_valid"
-    assert build_truncated_step(_config()).meta_loss_split is None
+    assert build_truncated_step(EstimatorSections.of(cfg)).meta_loss_split == "outer_valid"
+    assert build_truncated_step(EstimatorSections.of(_config())).meta_loss_split is None
     # The noisy quadratics have data (and so an outer_valid split).
     _config(task={"kind": "fixed_dim_quadratic_data"}, meta_loss_split="outer_valid")
     for family in ("quadratic", "fixed_dim_quadratic"):
@@ -256,12 +256,14 @@ def test_mixture_config_builds_the_split_and_bad_mixtures_fail_naming_the_field(
         task={"kind": "conv_digits", "mixture": {"conv_digits": 1, "image_mlp_digits4": 3}},
         num_tasks=4,
     )
-    step = build_truncated_step(cfg)
+    step = build_truncated_step(EstimatorSections.of(cfg))
     assert isinstance(step, MixtureTruncatedStep)
     assert [g.num_tasks for g in step.groups] == [1, 3]
     assert step.family_names == ("conv_digits", "image_mlp_digits4")
     # Every worker (and every rebuild) gets the same split: one state template for all.
-    np.testing.assert_array_equal(build_truncated_step(cfg).family_of_task, step.family_of_task)
+    np.testing.assert_array_equal(
+        build_truncated_step(EstimatorSections.of(cfg)).family_of_task, step.family_of_task
+    )
     bad = {
         r"task\.mixture\.nope\.kind: expected one of 'quadratic'.*got 'nope'": {
             "kind": "quadratic",
@@ -313,7 +315,7 @@ def test_mixture_config_builds_the_split_and_bad_mixtures_fail_naming_the_field(
         },
         num_tasks=4,
     )
-    step = build_truncated_step(labelled)
+    step = build_truncated_step(EstimatorSections.of(labelled))
     assert step.family_names == ("small", "large") and [g.num_tasks for g in step.groups] == [1, 3]
 
 
@@ -361,7 +363,7 @@ def test_parametric_family_draws_architectures_from_the_seed_and_trains_them_as_
         num_tasks=4,
         meta_loss_split="outer_valid",
     )
-    step = build_truncated_step(cfg)
+    step = build_truncated_step(EstimatorSections.of(cfg))
     assert isinstance(step, MixtureTruncatedStep) and len(step.groups) == 2
     assert [g.num_tasks for g in step.groups] == [2, 2]
     assert step.family_names == ("parametric_image_mlp_digits",)

@@ -9,6 +9,7 @@ import pytest
 
 from popmeta.config import config_from_dict
 from popmeta.estimate import Estimate, aggregate
+from popmeta.experiment import learner_start
 from popmeta.learner.learner import Learner
 from popmeta.learner.train_state import build_apply_estimates_fn
 
@@ -52,7 +53,7 @@ def _spoil(estimate: Estimate, value: float) -> Estimate:
 
 @pytest.mark.parametrize("bad", [np.nan, -np.inf])
 def test_a_non_finite_estimate_is_left_out_and_the_rest_applied(bad):
-    clean, spoiled = Learner(CONFIG), Learner(CONFIG)
+    clean, spoiled = Learner.of(learner_start(CONFIG)), Learner.of(learner_start(CONFIG))
     estimates = _estimates(clean, 3)
     expected = clean.update([estimates[0], estimates[2]])
     got = spoiled.update([estimates[0], _spoil(estimates[1], bad), estimates[2]])
@@ -65,7 +66,7 @@ def test_a_non_finite_estimate_is_left_out_and_the_rest_applied(bad):
 
 
 def test_nothing_is_applied_when_every_estimate_is_non_finite():
-    learner = Learner(CONFIG)
+    learner = Learner.of(learner_start(CONFIG))
     before = _bits(learner.theta())
     update = learner.update([_spoil(e, np.nan) for e in _estimates(learner, 2)])
     assert update.norms is None and update.aggregate.num_rejected_nonfinite == 2
@@ -75,7 +76,7 @@ def test_nothing_is_applied_when_every_estimate_is_non_finite():
 
 
 def test_a_finite_sum_too_large_for_float32_is_not_applied():
-    learner = Learner(CONFIG)
+    learner = Learner.of(learner_start(CONFIG))
     before = _bits(learner.theta())
     estimates = [_spoil(e, 1e30) for e in _estimates(learner, 2)]
     update = learner.update(estimates)
@@ -84,7 +85,7 @@ def test_a_finite_sum_too_large_for_float32_is_not_applied():
 
 
 def test_a_smaller_round_is_padded_and_compiles_nothing_new():
-    learner = Learner(CONFIG)
+    learner = Learner.of(learner_start(CONFIG))
     estimates = _estimates(learner, 3)
     learner.update(estimates)
     # What a round of two does, unpadded, from the same state.

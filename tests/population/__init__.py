@@ -14,11 +14,22 @@ import jax
 import numpy as np
 
 from popmeta.config import Config, config_from_dict
+from popmeta.experiment import WorkerSpec, learner_start
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Gathered, Population
+from popmeta.population.local import LocalPopulation
+from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import quiet_fork
 
-__all__ = ["CALL_TIMEOUT_S", "quiet_fork", "run_updates", "tiny_config", "tree_bytes"]
+__all__ = [
+    "CALL_TIMEOUT_S",
+    "local_population",
+    "quiet_fork",
+    "ray_population",
+    "run_updates",
+    "tiny_config",
+    "tree_bytes",
+]
 
 #: Longest wait for one estimate in tests: far above a tiny call (ms) plus a
 #: first compile (seconds), far below the pytest timeouts.
@@ -63,6 +74,16 @@ def tiny_config(
     )
 
 
+def ray_population(config: Config) -> RayPopulation:
+    """The Ray population ``config`` describes, as the run loop opens it (Ray already running)."""
+    return RayPopulation(config.population, WorkerSpec.of(config))
+
+
+def local_population(config: Config) -> LocalPopulation:
+    """The local engine's population ``config`` describes."""
+    return LocalPopulation(config.population, WorkerSpec.of(config))
+
+
 def run_updates(
     config: Config,
     population: Population,
@@ -70,7 +91,7 @@ def run_updates(
     on_gather: Callable[[Gathered], None] | None = None,
 ) -> Any:
     """``steps`` learner updates exactly as the training loop does them; returns theta."""
-    learner = Learner(config)
+    learner = Learner.of(learner_start(config))
     for _ in range(steps):
         gathered = population.gather(learner.theta(), learner.version)
         if on_gather is not None:
