@@ -5,11 +5,7 @@ started with), ``checkpoints/``, TensorBoard event files and ``eval/``. Reusing
 a name must never mix two experiments, so before anything starts:
 
 * a recorded config that differs from the new one in any field that changes
-  the experiment is refused, naming the fields and the ways on (a new
-  ``name``, or ``--from-checkpoint`` to take the run over from one of its
-  checkpoints with the new config). Fields in :data:`SAFE_TO_CHANGE` (how long
-  to train, logging and checkpoint cadence, where Ray runs, the engine, the
-  evaluation at the end) may change on a resume;
+  the experiment is refused (:mod:`popmeta.run_identity`);
 * a lock (``.lock``, held with ``fcntl.flock`` for as long as the run lives)
   keeps a second live run out of the directory; the kernel releases it when
   its process dies, so a stale lock file of a killed run is simply taken over;
@@ -40,7 +36,6 @@ staging directory (:attr:`RunDirectory.path`) that mirrors the remote one:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import logging
@@ -55,9 +50,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from popmeta.config import Config, config_from_dict, config_to_dict, config_to_yaml
 from popmeta.learner.checkpoints import (
     checkpoint_step,
     list_checkpoints,
@@ -75,31 +67,7 @@ from popmeta.storage import (
     parent,
 )
 
-__all__ = [
-    "SAFE_TO_CHANGE",
-    "RunDirectory",
-    "RunDirectoryError",
-    "RunWriteError",
-    "config_differences",
-]
-
-#: Dotted fields (or section prefixes ending in ".") that a resumed run may change.
-SAFE_TO_CHANGE = (
-    "run_dir",  # where the run lives, not what it is: a moved run resumes
-    "train.num_steps",
-    "train.log_every",
-    "train.summary_every",
-    "train.checkpoint_every",
-    "train.keep_checkpoints",
-    "population.address",
-    # The local engine and sync Ray compute the same estimates bit for bit.
-    "population.engine",
-    "population.call_timeout_s",
-    "population.call_timeout_factor",
-    "population.min_call_timeout_s",
-    "population.max_actor_restarts",
-    "eval.",
-)
+__all__ = ["CONFIG_FILE", "RunDirectory", "RunDirectoryError", "RunWriteError"]
 
 CONFIG_FILE = "config.yaml"
 #: Seconds between uploads of a remote run's event files while it trains.
@@ -132,37 +100,6 @@ def _close_quietly(handle: Any) -> None:
     if not handle.closed:  # a failed flush may leave the file open: close without it
         with contextlib.suppress(OSError, ValueError):
             os.close(handle.fileno())
-
-
-def _fields(config: Config) -> dict[str, Any]:
-    """Every field as ``section.field`` (or ``field`` at the top) -> value, a kind's fields too."""
-    flat: dict[str, Any] = {}
-    for section, values in config_to_dict(config).items():
-        if isinstance(values, dict) and dataclasses.is_dataclass(getattr(config, section)):
-            for name, value in values.items():
-                flat[f"{section}.{name}"] = value
-        else:
-            flat[section] = values
-    return flat
-
-
-def _safe(field: str) -> bool:
-    return any(field == s or (s.endswith(".") and field.startswith(s)) for s in SAFE_TO_CHANGE)
-
-
-def config_differences(recorded: Config, new: Config) -> list[str]:
-    """``"field: old -> new"`` for each field that differs and is not safe to change."""
-    old_fields, new_fields = _fields(recorded), _fields(new)
-    missing = object()
-
-    def shown(fields: dict[str, Any], name: str) -> str:
-        return repr(fields[name]) if name in fields else "(none)"
-
-    return [
-        f"{name}: {shown(old_fields, name)} -> {shown(new_fields, name)}"
-        for name in sorted(set(old_fields) | set(new_fields))
-        if old_fields.get(name, missing) != new_fields.get(name, missing) and not _safe(name)
-    ]
 
 
 class RunDirectory:
@@ -221,48 +158,6 @@ class RunDirectory:
     @property
     def config_file(self) -> Path:
         return self.path / CONFIG_FILE
-
-    def recorded_config(self) -> Config | None:
-        """The config the run was started with, or None for a new run."""
-        if not self.config_file.exists():
-            return None
-        try:
-            raw = yaml.safe_load(self.config_file.read_text(encoding="utf-8"))
-            return config_from_dict(raw, source=str(self.config_file), recorded=True)
-        except (OSError, ValueError, yaml.YAMLError) as err:
-            raise RunDirectoryError(
-                f"{self.config_file} cannot be read back as a popmeta config ({err}); "
-                f"start a new run with --set name=NEW, or restore that file"
-            ) from None
-
-    def check_identity(self, config: Config) -> None:
-        """Refuses a start whose ``config`` changes what the recorded run is.
-
-        Raises:
-          RunDirectoryError: naming every differing field and the ways on.
-        """
-        recorded = self.recorded_config()
-        if recorded is None:
-            if list_checkpoints(self.checkpoints):
-                raise RunDirectoryError(
-                    f"{self.location} holds checkpoints but no {CONFIG_FILE}: it is not a run this "
-                    f"version of popmeta can identify; start a new run with --set name=NEW"
-                )
-            return
-        differences = config_differences(recorded, config)
-        if differences:
-            newest = list_checkpoints(self.checkpoints)
-            takeover = (
-                f", or take this run over from one of its checkpoints with the new config: "
-                f"--from-checkpoint {self.location_of(newest[-1])}"
-                if newest
-                else ""
-            )
-            raise RunDirectoryError(
-                f"{self.location} holds a run with another config; it differs in "
-                + "; ".join(differences)
-                + f". Start a new run with --set name=NEW{takeover}."
-            )
 
     def check_writable(self) -> None:
         """Refuses a run directory that cannot be created or written, before anything starts.
@@ -462,8 +357,8 @@ class RunDirectory:
         except (OSError, StorageError) as err:
             raise RunDirectoryError(f"--from-checkpoint {uri}: {err}") from None
 
-    def record_config(self, config: Config) -> None:
-        """Writes the resolved ``config``; the run directory is this experiment's from now on.
+    def record_config(self, text: str) -> None:
+        """Writes the resolved config (its YAML ``text``); the directory is this run's from now on.
 
         Written to a temporary file and renamed into place: a write that fails
         (a full disk) leaves the previously recorded config whole.
@@ -473,7 +368,7 @@ class RunDirectory:
         """
         partial = self.config_file.with_name(CONFIG_FILE + ".partial")
         try:
-            partial.write_text(config_to_yaml(config), encoding="utf-8")
+            partial.write_text(text, encoding="utf-8")
             os.replace(partial, self.config_file)
         except OSError:
             with contextlib.suppress(OSError):

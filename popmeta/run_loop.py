@@ -15,19 +15,15 @@ import contextlib
 import functools
 import logging
 import math
-import os
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from popmeta.actors.worker import exported_state_template
-from popmeta.config import Config, PopulationConfig, config_to_dict, module_dirs
+from popmeta.config import Config, config_to_dict, module_dirs
 from popmeta.evaluate import (
     BaselineCache,
     PeriodicEvaluator,
@@ -36,16 +32,16 @@ from popmeta.evaluate import (
     learned_optimizer_run,
     settings_of,
 )
-from popmeta.experiment import Experiment, WorkerSpec, build_experiment
+from popmeta.experiment import Experiment, build_experiment
 from popmeta.footprint import check_memory
 from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Population
-from popmeta.population.local import LocalPopulation
-from popmeta.population.ray_population import RayPopulation, job_runtime_env
-from popmeta.population.ray_runtime import start_ray_for
+from popmeta.population.engines import PopulationFactory, open_population
 from popmeta.run_checkpoints import RunCheckpoints
 from popmeta.run_dir import RunDirectory, RunWriteError
+from popmeta.run_identity import check_identity, record_config
+from popmeta.run_signals import RunInterrupted, StopSignals
 from popmeta.summaries import RoundStats, Summaries
 
 __all__ = [
@@ -53,7 +49,6 @@ __all__ = [
     "RunInterrupted",
     "RunResult",
     "RunWriteError",
-    "open_population",
     "train",
 ]
 
@@ -65,10 +60,6 @@ MAX_FAILED_ROUNDS = 20
 
 class DivergedError(RuntimeError):
     """No finite estimate for ``MAX_FAILED_ROUNDS`` rounds in a row; theta was left unchanged."""
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """A signal stopped the run while it was starting or closing; the message says what is kept."""
 
 
 def _diverged(failures: int, step: int, run: RunDirectory) -> str:
@@ -87,84 +78,6 @@ def _diverged(failures: int, step: int, run: RunDirectory) -> str:
         f"unchanged. No checkpoint was written for it: the run's checkpoints ({listing}) are "
         f"those written before.{how}"
     )
-
-
-def _note(text: str) -> None:
-    # From a signal handler: straight to the descriptor, as a buffered stream
-    # may be in the middle of a write; a terminal that hung up takes nothing.
-    with contextlib.suppress(OSError):
-        os.write(2, text.encode())
-
-
-class _StopSignals:
-    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session), by phase of the run.
-
-    ``starting``: the start is abandoned at once (``KeyboardInterrupt``), as
-    nothing is trained yet. ``training``: the loop stops after the current
-    step (a flag read between steps cannot be lost in the middle of a blocking
-    Ray or XLA call), and the run ends with a checkpoint of that step; a
-    second SIGINT stops at once. ``closing`` (the checkpoint is written): the
-    first signal only says so, the next stops at once. SIGHUP is left alone
-    where it is ignored (``nohup``). Python runs signal handlers in the main
-    thread only, so elsewhere (a run started from a worker thread) the process
-    keeps its handlers.
-    """
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self.phase = "starting"
-        self.trained = False
-        self._noted = False
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        del frame
-        name = signal.Signals(signum).name
-        if self.phase == "starting":
-            self.received, self.phase = name, "closing"
-            raise KeyboardInterrupt
-        if self.phase == "training":
-            if self.received is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.received = name
-            return
-        if self.phase == "closing" and self._noted:
-            raise KeyboardInterrupt
-        if not self._noted:
-            self._noted = True
-            waiting = "saving its checkpoint first" if self.phase == "saving" else "closing the run"
-            _note(f"\npopmeta: {name}: {waiting}; once more after that stops at once\n")
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                if signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN:
-                    continue
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def interrupted_message(self, run: RunDirectory) -> str:
-        """What a signal that stopped the run outside the loop leaves behind."""
-        name = self.received or "SIGINT"
-        if not self.trained:
-            return (
-                f"{name} while the run was starting: nothing was trained and nothing of "
-                "this start was kept; rerun the same command to start again"
-            )
-        checkpoints = list_checkpoints(run.checkpoints)
-        kept = (
-            f"its newest checkpoint is {run.location_of(checkpoints[-1])}"
-            if checkpoints
-            else "it has no checkpoint yet"
-        )
-        return (
-            f"{name} while the run was closing: {kept}; rerun the same command to resume. "
-            "Ray's processes, if this run started them, stop with this process"
-        )
 
 
 class RunResult(NamedTuple):
@@ -226,41 +139,6 @@ class _Progress:
             self.bar.close()
 
 
-PopulationFactory = Callable[[PopulationConfig, WorkerSpec], Population]
-
-
-@contextlib.contextmanager
-def open_population(
-    config: Config, worker: WorkerSpec, factory: PopulationFactory | None = None
-) -> Iterator[Population]:
-    """The population of ``config`` with the runtime it needs, closed on exit.
-
-    Args:
-      config: the run's config; ``population.engine`` picks the population.
-      worker: what each worker is built from.
-      factory: builds the population instead; the caller then owns whatever
-        runtime it needs (e.g. a Ray instance a test session started).
-
-    Yields:
-      The population. On exit it is closed, and then the Ray instance this
-      function started (an embedded one; a joined cluster is left running).
-    """
-    pc = config.population
-    if factory is not None:
-        runtime: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    elif pc.engine == "local":
-        runtime, factory = contextlib.nullcontext(), LocalPopulation
-    else:
-        runtime = start_ray_for(pc, job_runtime_env(pc.runtime_env, config.found_modules()))
-        factory = RayPopulation
-    with runtime:
-        population = factory(pc, worker)
-        try:
-            yield population
-        finally:
-            population.close()
-
-
 def _placement(config: Config, actors: list[dict[str, Any]]) -> str:
     if config.population.engine == "local":
         return f"{len(actors)} worker(s) in this process, one after another (local engine)"
@@ -312,7 +190,7 @@ def train(
     """
     stream = stream or sys.stdout
     run = RunDirectory(config.run_dir, config.name)
-    with _StopSignals() as stop:
+    with StopSignals() as stop:
         try:
             return _start(config, run, population_factory, stream, from_checkpoint, stop)
         except RunInterrupted:
@@ -327,14 +205,14 @@ def _start(
     population_factory: PopulationFactory | None,
     stream,
     from_checkpoint: str | Path | None,
-    stop: _StopSignals,
+    stop: StopSignals,
 ) -> RunResult:
     run.check_writable()
     experiment = build_experiment(config)
     check_memory(experiment.estimator, experiment.worker.theta, config.population)
     with run.claim():
         if from_checkpoint is None:
-            run.check_identity(config)
+            check_identity(run, config)
         else:
             from_checkpoint = run.fetch_checkpoint(from_checkpoint)
         learner = Learner.of(experiment.learner)
@@ -399,7 +277,7 @@ class _RunLoop:
         learner: Learner,
         checkpoints: RunCheckpoints,
         stream,
-        stop: _StopSignals,
+        stop: StopSignals,
     ):
         self.config, self.experiment, self.run, self.learner = config, experiment, run, learner
         self.checkpoints, self.stream, self.stop = checkpoints, stream, stop
@@ -416,13 +294,18 @@ class _RunLoop:
         # population and its runtime. The final checkpoint comes before all of them.
         with contextlib.ExitStack() as closing:
             population = closing.enter_context(
-                open_population(config, self.experiment.worker, population_factory)
+                open_population(
+                    config.population,
+                    self.experiment.worker,
+                    population_factory,
+                    config.found_modules(),
+                )
             )
             print(_placement(config, population.describe_actors()), file=stream)
             if worker_states:
                 _load_worker_states(population, worker_states, stream)
             try:
-                run.record_config(config)
+                record_config(run, config)
             except OSError as err:
                 raise run.write_failure(run.config_file, err, self.learner.version) from err
             summaries = Summaries(run.path)

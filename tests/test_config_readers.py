@@ -21,7 +21,7 @@ WHOLE_CONFIG = {
     "popmeta.experiment": "builds a run's objects from it, once",
     "popmeta.run_loop": "the run itself: hands the pieces down",
     "popmeta.evaluate": "meta-tests what a run's (or a checkpoint's) config names",
-    "popmeta.run_dir": "a run directory's identity is its recorded config",
+    "popmeta.run_identity": "a run directory's identity is its recorded config",
     "popmeta.cli": "loads and prints it",
     "popmeta": "the public namespace",
 }

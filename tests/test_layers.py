@@ -28,7 +28,8 @@ LAYERS: list[list[str]] = [
     ["popmeta.learner", "popmeta.actors", "popmeta.footprint"],
     ["popmeta.population", "popmeta.storage"],  # placement, gather; local or remote files
     ["popmeta.summaries", "popmeta.run_dir"],  # TensorBoard; a run directory's identity
-    ["popmeta.evaluate", "popmeta.run_checkpoints"],  # meta-testing; a run's checkpoints
+    # meta-testing; a run's checkpoints; which changes a resumed run may make; stop signals
+    ["popmeta.evaluate", "popmeta.run_checkpoints", "popmeta.run_identity", "popmeta.run_signals"],
     ["popmeta.run_loop", "popmeta.export"],  # the run loop; a trained optimizer as a file
     ["popmeta.cli", "popmeta.__main__"],  # the command line
     ["popmeta"],  # the public namespace re-exports everything

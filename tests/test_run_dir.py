@@ -13,7 +13,8 @@ import pytest
 
 from popmeta.config import ConfigError, config_to_dict
 from popmeta.learner.checkpoints import list_checkpoints
-from popmeta.run_dir import RunDirectory, RunDirectoryError, config_differences
+from popmeta.run_dir import RunDirectory, RunDirectoryError
+from popmeta.run_identity import config_differences
 from popmeta.run_loop import DivergedError, train
 from tests.events import read_scalars
 from tests.local_run import local_config, no_population

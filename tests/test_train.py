@@ -10,8 +10,9 @@ import popmeta
 from popmeta.experiment import WorkerSpec, learner_start
 from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint, read_checkpoint_metadata
 from popmeta.learner.learner import Learner
+from popmeta.population.engines import open_population
 from popmeta.population.local import LocalPopulation
-from popmeta.run_loop import open_population, train
+from popmeta.run_loop import train
 from tests.events import read_scalars
 from tests.local_run import local_config
 from tests.population import tree_bytes
@@ -49,7 +50,7 @@ def test_a_failing_shutdown_keeps_the_final_checkpoint_and_the_events(tmp_path):
 
 def test_the_local_engine_needs_no_ray_and_reports_its_workers(tmp_path):
     config = _config(tmp_path)
-    with open_population(config, WorkerSpec.of(config)) as population:
+    with open_population(config.population, WorkerSpec.of(config)) as population:
         assert isinstance(population, LocalPopulation)
         actors = population.describe_actors()
         assert [a["rank"] for a in actors] == [0, 1]

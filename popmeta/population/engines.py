@@ -1,0 +1,63 @@
+"""The two engines, and opening one with the runtime it needs.
+
+The local engine runs the workers in the driver; the Ray engine runs them as
+actors on an embedded Ray instance or a joined cluster. :func:`open_population`
+is the one owner of Ray's lifetime: it starts Ray for the Ray engine (unless
+the caller brings a population of its own) and shuts it down after the
+population is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from popmeta.config import PopulationConfig
+from popmeta.experiment import WorkerSpec
+from popmeta.population.base import Population
+from popmeta.population.local import LocalPopulation
+from popmeta.population.ray_population import RayPopulation, job_runtime_env
+from popmeta.population.ray_runtime import start_ray_for
+
+__all__ = ["PopulationFactory", "open_population"]
+
+#: Builds a population from the ``population`` section and the workers' spec.
+PopulationFactory = Callable[[PopulationConfig, WorkerSpec], Population]
+
+
+@contextlib.contextmanager
+def open_population(
+    population: PopulationConfig,
+    worker: WorkerSpec,
+    factory: PopulationFactory | None = None,
+    shipped_modules: Sequence[str] = (),
+) -> Iterator[Population]:
+    """The population ``population`` describes, with the runtime it needs, closed on exit.
+
+    Args:
+      population: the ``population`` section; ``engine`` picks the population.
+      worker: what each worker is built from.
+      factory: builds the population instead; the caller then owns whatever
+        runtime it needs (e.g. a Ray instance a test session started).
+      shipped_modules: directories of the user's kinds the driver found
+        beside the config (``Config.found_modules``), shipped to Ray's job.
+
+    Yields:
+      The population. On exit it is closed, and then the Ray instance this
+      function started (an embedded one; a joined cluster is left running).
+    """
+    pc = population
+    if factory is not None:
+        runtime: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    elif pc.engine == "local":
+        runtime, factory = contextlib.nullcontext(), LocalPopulation
+    else:
+        runtime = start_ray_for(pc, job_runtime_env(pc.runtime_env, shipped_modules))
+        factory = RayPopulation
+    with runtime:
+        opened = factory(pc, worker)
+        try:
+            yield opened
+        finally:
+            opened.close()

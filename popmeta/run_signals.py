@@ -1,0 +1,102 @@
+"""How a run answers SIGINT, SIGTERM and SIGHUP, by the phase it is in.
+
+Ctrl-C, a scheduler's SIGTERM and a closed terminal's SIGHUP must never leave
+a run directory half written: while the run trains, a signal only sets a flag
+that the run loop reads between steps, so the run ends with a checkpoint of
+the step it stopped at; while it starts or closes, a signal says what is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Any
+
+from popmeta.learner.checkpoints import list_checkpoints
+from popmeta.run_dir import RunDirectory
+
+__all__ = ["RunInterrupted", "StopSignals"]
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A signal stopped the run while it was starting or closing; the message says what is kept."""
+
+
+def _note(text: str) -> None:
+    # From a signal handler: straight to the descriptor, as a buffered stream
+    # may be in the middle of a write; a terminal that hung up takes nothing.
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session), by phase of the run.
+
+    ``starting``: the start is abandoned at once (``KeyboardInterrupt``), as
+    nothing is trained yet. ``training``: the loop stops after the current
+    step (a flag read between steps cannot be lost in the middle of a blocking
+    Ray or XLA call), and the run ends with a checkpoint of that step; a
+    second SIGINT stops at once. ``closing`` (the checkpoint is written): the
+    first signal only says so, the next stops at once. SIGHUP is left alone
+    where it is ignored (``nohup``). Python runs signal handlers in the main
+    thread only, so elsewhere (a run started from a worker thread) the process
+    keeps its handlers.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.phase = "starting"
+        self.trained = False
+        self._noted = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        del frame
+        name = signal.Signals(signum).name
+        if self.phase == "starting":
+            self.received, self.phase = name, "closing"
+            raise KeyboardInterrupt
+        if self.phase == "training":
+            if self.received is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.received = name
+            return
+        if self.phase == "closing" and self._noted:
+            raise KeyboardInterrupt
+        if not self._noted:
+            self._noted = True
+            waiting = "saving its checkpoint first" if self.phase == "saving" else "closing the run"
+            _note(f"\npopmeta: {name}: {waiting}; once more after that stops at once\n")
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN:
+                    continue
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def interrupted_message(self, run: RunDirectory) -> str:
+        """What a signal that stopped the run outside the loop leaves behind."""
+        name = self.received or "SIGINT"
+        if not self.trained:
+            return (
+                f"{name} while the run was starting: nothing was trained and nothing of "
+                "this start was kept; rerun the same command to start again"
+            )
+        checkpoints = list_checkpoints(run.checkpoints)
+        kept = (
+            f"its newest checkpoint is {run.location_of(checkpoints[-1])}"
+            if checkpoints
+            else "it has no checkpoint yet"
+        )
+        return (
+            f"{name} while the run was closing: {kept}; rerun the same command to resume. "
+            "Ray's processes, if this run started them, stop with this process"
+        )
