@@ -3,7 +3,7 @@
     python docs/layout.py           # rewrite docs/layout.md from the tree
     python docs/layout.py --check   # exit 1 if docs/layout.md differs from the tree
 
-``tests/test_docs_layout.py`` fails when docs/layout.md lists a module that
+``tests/test_docs.py`` fails when docs/layout.md lists a module that
 does not exist or misses one that does, so the page follows every split and
 rename. The modules are read with ``ast``, never imported.
 """
@@ -23,7 +23,7 @@ HEADER = """\
 
 Every module of `popmeta/`, with the first paragraph of its docstring. This page
 is written by `python docs/layout.py` from the tree, and
-`tests/test_docs_layout.py` fails when it lists a module that does not exist
+`tests/test_docs.py` fails when it lists a module that does not exist
 or misses one that does: after adding, splitting or renaming a module,
 rerun the script rather than editing this page.
 

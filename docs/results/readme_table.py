@@ -10,7 +10,7 @@ docs/results.md). This script renders every row of the CSV into the block:
     python docs/results/readme_table.py           # rewrite the README's block
     python docs/results/readme_table.py --check   # exit 1 if the block is stale
 
-``tests/test_readme_results_table.py`` fails when the README's block differs
+``tests/test_docs.py`` fails when the README's block differs
 from what this script renders.
 """
 
