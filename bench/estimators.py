@@ -14,8 +14,8 @@ share of the dense matmul peak measured in the same run.
 add /tmp/before <commit>``): each configuration then runs alternately from
 that tree and from this one, ``--repeats`` times each, and the ratio printed
 is of the two medians measured side by side in this run. That is the only
-kind of ratio this script prints; the README's reference table says how its
-comparison with another library was made.
+kind of ratio this script prints; docs/performance.md says how its comparison
+with learned_optimization was made.
 """
 
 from __future__ import annotations

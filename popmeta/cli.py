@@ -40,7 +40,7 @@ EX_IOERR = 74
 EX_CONFIG = 78
 EX_INTERRUPTED = 130
 
-#: Every exit status ``popmeta`` returns, and what it means (README's table).
+#: Every exit status ``popmeta`` returns, and what it means (docs/faults.md's table).
 EXIT_STATUSES = {
     0: "done (or the run had already finished)",
     EX_DIVERGED: "the run diverged: no finite estimate for 20 rounds in a row",

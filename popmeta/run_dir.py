@@ -2,35 +2,14 @@
 
 ``<run_dir>/<name>/`` holds ``config.yaml`` (the resolved config the run was
 started with), ``checkpoints/``, TensorBoard event files and ``eval/``. Reusing
-a name must never mix two experiments, so before anything starts:
-
-* a recorded config that differs from the new one in any field that changes
-  the experiment is refused (:mod:`popmeta.run_identity`);
-* a lock (``.lock``, held with ``fcntl.flock`` for as long as the run lives)
-  keeps a second live run out of the directory; the kernel releases it when
-  its process dies, so a stale lock file of a killed run is simply taken over;
-* a start that fails leaves the directory as it found it: the directory is
-  created, and the config recorded, only once the run is about to train.
-
-A run directory may also be a storage URI (``run_dir: s3://bucket/runs``,
-``gs://...``, anything :mod:`popmeta.storage` reaches), so that a run
-survives the loss of the node that drives it. The run then works in a local
-staging directory (:attr:`RunDirectory.path`) that mirrors the remote one:
-
-* on start, after the lock is taken, the recorded ``config.yaml`` and the
-  checkpoints are downloaded, so identity checks, resume and
-  ``--from-checkpoint`` work exactly as on local disk;
-* ``config.yaml`` is uploaded when it is recorded, each checkpoint when it is
-  written, event files at most every :data:`SYNC_EVERY_S` seconds while
-  summaries are written, and everything once more when the run ends (also
-  when it fails), before the lock is released. Every upload is whole and
-  atomic (see :mod:`popmeta.storage`). An upload that fails while the run
-  trains is logged and retried by the next one; a failed final upload is an
-  error that names the staging directory, which is then kept;
-* the lock is a :class:`~popmeta.storage.RemoteLock` object with a heartbeat,
-  taken over once its heartbeat is
-  :data:`~popmeta.storage.LOCK_STALE_AFTER_S` seconds old (a
-  lost head node never releases its lock).
+a name must never mix two experiments, so before anything starts a recorded
+config that differs from the new one in a field that changes the experiment
+is refused (:mod:`popmeta.run_identity`); a lock (``.lock``, ``fcntl.flock``)
+keeps a second live run out; and a start that fails leaves the directory as
+it found it. A run directory may also be a storage URI (``s3://...``): the
+run then works in a local staging directory (:attr:`RunDirectory.path`) that
+mirrors the remote one, with whole-file uploads and a heartbeat lock
+(docs/storage.md). Why: docs/design.md, "A run is an identity".
 """
 
 from __future__ import annotations

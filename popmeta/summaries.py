@@ -1,19 +1,16 @@
 """TensorBoard summaries, written synchronously, and the statistics behind them.
 
-Event files are written here rather than with ``tensorboardX.SummaryWriter``:
-that writer hands events to a background thread through a bounded queue, and
-when a write fails (a full disk, a read-only mount) the thread dies and the
-next ``add_scalar`` blocks forever on the full queue, hanging the run. Here
-each call of :meth:`Summaries.scalars` or :meth:`Summaries.histogram` is one
-TFRecord written in the calling thread with one unbuffered ``write``: an event
-is in the kernel once the call returns (a killed process loses nothing), and
-a failure is an ``OSError`` this module handles. Summaries are never worth a
-run: on the first failed write they warn once and switch themselves off,
-while the run goes on (and keeps checkpointing).
-
-TFRecord framing, as TensorBoard reads it: the payload length as a
-little-endian uint64, the masked CRC-32C of those 8 bytes (uint32), the
-serialized ``Event`` proto, and the masked CRC-32C of the payload.
+Event files are written here rather than with ``tensorboardX.SummaryWriter``,
+whose background thread dies on a failed write and then blocks the run
+(docs/ray.md, "TensorBoard"). Here each call of :meth:`Summaries.scalars` or
+:meth:`Summaries.histogram` is one TFRecord written in the calling thread
+with one unbuffered ``write``: an event is in the kernel once the call
+returns, and a failure is an ``OSError`` handled here. Summaries are never
+worth a run: on the first failed write they warn once and switch themselves
+off, while the run goes on. TFRecord framing, as TensorBoard reads it: the
+payload length as a little-endian uint64, the masked CRC-32C of those 8
+bytes (uint32), the serialized ``Event`` proto, and the masked CRC-32C of
+the payload.
 """
 
 from __future__ import annotations

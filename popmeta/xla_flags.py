@@ -1,32 +1,17 @@
 """XLA flags that let small inner loops run as one compiled CPU kernel.
 
-XLA's CPU runtime runs a compiled program as a sequence of "thunks", one per
-fused operation, and a ``lax.scan`` as a ``while`` thunk that runs its body's
-thunks once per iteration. An ES truncation on a small inner problem is
-then mostly launches: for a PES estimate of MLPLOpt on eight ten-dimensional
-quadratics (16 members, 10 steps, about 1 ms), a profile counted about 1,070
-events on XLA's threads (operations and their end markers; 82 copies of the
-loop state among them), most on arrays of a few hundred floats. XLA can instead compile a whole ``while`` loop into
-one function ("small call", ``SmallWhileLoopHoistingPass``), but only when the
-loop touches fewer bytes than ``xla_cpu_small_while_loop_byte_threshold``
-(default 1 KiB) and holds no library call: a dot that XLA hands to YNNPACK
-(its default for individual dots in jaxlib 0.10) keeps the loop out.
-
-:func:`use_xla_cpu_flags` raises the threshold to :data:`SMALL_LOOP_BYTES`
-and gives individual dots back to XLA's own emitters, so a truncation on a
-small problem runs as one kernel. On a 2-core bench host, side by side with
-the commit before (``bench/estimators.py --compare-with``), the estimators on
-the 10-dimensional quadratic ran 1.10x (PES, LearnableSGDM), 1.25x (PES,
-MLPLOpt) and 1.36x (FullES) the inner steps per second; the image-MLP
-configuration, whose loop reads more than a mebibyte, kept its loop and ran
-as fast. Only how XLA compiles changes, not what is computed; values may differ in the
-last bits where XLA fuses operations differently.
-
-``import popmeta`` calls it. XLA reads ``XLA_FLAGS`` once, when JAX starts
-its backends, so the flags apply only if nothing has run a JAX computation
-before ``import popmeta``; Ray actors import popmeta before they compute, so
-they get them too. A flag the user already set in ``XLA_FLAGS`` is left as
-it is, and ``POPMETA_XLA_FLAGS=0`` turns all of this off.
+XLA's CPU runtime runs a ``lax.scan`` as a ``while`` thunk that launches its
+body's operations one by one every iteration, so an ES truncation on a small
+inner problem is mostly launches. XLA can compile a whole ``while`` loop into
+one function, but only one that touches fewer bytes than
+``xla_cpu_small_while_loop_byte_threshold`` (1 KiB by default) and holds no
+dot handed to YNNPACK. :func:`use_xla_cpu_flags` raises the threshold to
+:data:`SMALL_LOOP_BYTES` and gives individual dots back to XLA's own
+emitters. Only how XLA compiles changes, not what is computed; values may
+differ in the last bits. ``import popmeta`` calls it; the flags apply only if
+nothing has run a JAX computation before, reach Ray's actors, never override
+a flag the user set in ``XLA_FLAGS``, and ``POPMETA_XLA_FLAGS=0`` turns them
+off. Measurements: docs/performance.md, "Why it is fast".
 """
 
 from __future__ import annotations

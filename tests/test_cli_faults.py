@@ -3,7 +3,7 @@
 Every run here is a real ``popmeta`` process: real signals (SIGINT, SIGHUP)
 delivered to it, its terminal taken away, real Ray actors that cannot be
 built or that keep dying, a real disk that refuses writes. None may end in a
-traceback, and each ends with the status the README's table gives.
+traceback, and each ends with the status docs/faults.md's table gives.
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ def test_a_run_name_that_cannot_be_a_directory_is_refused(name, capsys):
     assert "name: " in capsys.readouterr().err
 
 
-def test_the_readme_lists_every_exit_status_popmeta_returns():
-    readme = (REPO / "README.md").read_text()
-    table = readme[readme.index("| exit status | meaning |") :].split("\n\n")[0]
+def test_the_faults_page_lists_every_exit_status_popmeta_returns():
+    page = (REPO / "docs" / "faults.md").read_text()
+    table = page[page.index("| exit status | meaning |") :].split("\n\n")[0]
     rows = table.splitlines()[2:]
     assert rows == [f"| {code} | {meaning} |" for code, meaning in sorted(EXIT_STATUSES.items())]

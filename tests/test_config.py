@@ -49,8 +49,8 @@ def test_no_config_is_the_quickstart():
     assert load_config(quickstart) == load_config(None)
 
 
-def test_digits_config_names_what_the_readme_promises():
-    """configs/digits_mlp.yaml: the README's result; a typo here would fail only after 18 minutes."""
+def test_digits_config_names_what_the_results_page_promises():
+    """configs/digits_mlp.yaml: docs/results.md's specialist; a typo would fail only after 18 minutes."""
     digits = load_config(Path(__file__).resolve().parents[1] / "configs" / "digits_mlp.yaml")
     assert digits.name == "digits_mlp" and digits.task.kind == "image_mlp_digits"
     assert digits.learned_optimizer.kind == "mlp_adam"

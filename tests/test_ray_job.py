@@ -1,6 +1,6 @@
 """``ray start --head`` + ``ray job submit -- popmeta train --address auto``, for real.
 
-This is how the README's cluster recipe runs a job, on one machine: a head
+This is how docs/clusters.md's recipe runs a job, on one machine: a head
 node started with the Ray CLI, ``popmeta train`` submitted through the
 dashboard's job API with the Ray CLI, in the same ``bash -c "cd ... && popmeta
 train CONFIG --address auto"`` form, and the run's checkpoints and TensorBoard
@@ -246,7 +246,7 @@ def submitted(head, tmp_path_factory):
     train = [*POPMETA, "train", "configs/quickstart.yaml", "--address", "auto"]
     for override in [*TRAIN_OVERRIDES, f"run_dir={run_dir}"]:
         train += ["--set", override]
-    # The README's form: one shell command line, run from the repository.
+    # docs/clusters.md's form: one shell command line, run from the repository.
     script = f"cd {shlex.quote(str(REPO))} && {' '.join(shlex.quote(a) for a in train)}"
     submission_id = f"popmeta-test-{os.getpid()}"
     start = time.monotonic()

@@ -1,29 +1,16 @@
 """The Ray actor that hosts one :class:`~popmeta.actors.worker.EstimatorWorker`.
 
-The actor is built from a picklable :class:`~popmeta.experiment.WorkerSpec`; every
-JAX object (estimator, jitted functions, device arrays) is created inside the
-actor process and never crosses a process boundary. Theta arrives as the
-ObjectRef of the learner's one ``ray.put`` per version, which Ray resolves to
-the (read-only) numpy pytree; estimates go back by value as numpy arrays.
+The actor is built from a picklable :class:`~popmeta.experiment.WorkerSpec`;
+every JAX object is created inside the actor process and never crosses a
+process boundary. Theta arrives as the learner's one ``ray.put`` per version
+(or inline when small); estimates go back by value as numpy arrays.
 
-CPU pinning. XLA's CPU thread pool ignores ``OMP_NUM_THREADS`` and the intra-op
-flags; only CPU affinity bounds it, and threads inherit the affinity of the
-thread that creates them. So when the population asks for pinning, the actor
-sets the affinity of every thread of its process in ``__init__``, before the
-worker module (and with it any JAX computation) runs: XLA's pool, created on
-first use, then lives on the pinned cores.
-
-Starting fast. An actor answers ``info()`` (which makes it *ready* for the
-population's supervisor) only after its estimate is compiled: the constructor
-runs the estimate once on throwaway state, so a replacement joins the
-population at full speed instead of stalling a round with its first compile.
-Compilations go to JAX's persistent compilation cache, so a replacement (or
-the next run) on the same node loads them instead of compiling: by default in
-``<tempdir>/popmeta-jax-cache-<uid>`` on the actor's node, every compilation
-however short. JAX's own variables in ``population.env`` override either:
-``JAX_COMPILATION_CACHE_DIR``, ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
-(``JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES`` and
-``JAX_ENABLE_COMPILATION_CACHE=false`` work as JAX documents them).
+CPU pinning: only CPU affinity bounds XLA's CPU thread pool, so a pinned
+actor sets the affinity of its process's threads in ``__init__``, before any
+JAX computation runs. Starting fast: an actor answers ``info()`` (and is
+*ready*) only after its estimate is compiled, into JAX's persistent
+compilation cache, so a replacement joins at full speed. The Ray and JAX
+facts behind both, and the cache's settings: docs/ray.md.
 """
 
 from __future__ import annotations
@@ -171,8 +158,7 @@ def _warm_up(worker: Any) -> None:
 
 
 def _to_host(tree: Any) -> Any:
-    # Ray serialises numpy arrays 2.5-3.5x faster than jax.Array leaves
-    # (measured for 1e6-1e7 float32 elements).
+    # Ray serialises numpy arrays faster than jax.Array leaves (docs/ray.md).
     import jax
 
     return jax.tree_util.tree_map(np.asarray, tree)

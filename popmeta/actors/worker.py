@@ -2,27 +2,15 @@
 
 This is the unit of the population. The local engine runs workers in the
 driver; the Ray engine wraps the same class in an actor, so both engines
-compute bit-for-bit the same estimates for the same seeds.
+compute bit-for-bit the same estimates for the same seeds. The worker calls
+one :class:`~popmeta.core.estimators.EstimateRunner` (tasks sharded over
+several local devices, or the plain single-device runner), averaging
+``estimator.truncations_per_call`` truncations per call.
 
-The worker calls one :class:`~popmeta.core.estimators.EstimateRunner`: with
-several local devices (and ``population.shard_tasks``) a
-:class:`~popmeta.core.estimators.ShardedRunner` that splits its tasks over
-them; with one device the estimator's plain jitted
-:class:`~popmeta.core.estimators.SingleDeviceRunner`, with no sharding
-machinery at all. ``estimator.truncations_per_call`` > 1 averages several
-consecutive truncations per call.
-
-Exact resume. Everything that decides a worker's next estimate besides theta
-is its *exported state* (:meth:`EstimatorWorker.export_state`): the
-estimator's worker state (inner states, PES accumulators or NRES noise), the
-worker's root key, and where its call keys are (the last theta version and how
-many repeats of it). A worker that loads it
-(:meth:`EstimatorWorker.load_state`) computes bit for bit the estimates the
-exporting worker would have computed next. The root key is saved rather than
-re-derived so that a state exported by a replacement (whose keys depend on its
-restart number) is continued with its own keys. Tasks that pull host batches
-(``host_data``) keep their data iterators outside this state: such a worker
-continues with the right state but other batches.
+Its *exported state* (:meth:`EstimatorWorker.export_state`) is everything
+besides theta that decides its next estimate, so a worker that loads it
+(:meth:`EstimatorWorker.load_state`) continues bit for bit: the exact resume
+of docs/checkpoints.md, whose parts docs/design.md ("Learner") lists.
 """
 
 from __future__ import annotations
@@ -41,9 +29,9 @@ from popmeta.experiment import WorkerSpec, build_estimator
 
 __all__ = ["EstimatorWorker", "exported_state_template", "worker_key"]
 
-# Called eagerly, ``jax.random.fold_in`` dispatches its primitives one by one
-# (about 0.35 ms on 2 CPU cores); jitted it is one call (0.04 ms), and every
-# actor call derives its key with it.
+# Called eagerly, ``jax.random.fold_in`` dispatches its primitives one by one;
+# jitted it is one call, and every actor call derives its key with it
+# (docs/performance.md, "Why it is fast").
 _fold_in = jax.jit(jax.random.fold_in)
 
 

@@ -1,0 +1,1 @@
+"""Pure JAX: tasks, optimizers, learned optimizers, truncation schedules, truncated steps, estimators; no Ray, no I/O."""

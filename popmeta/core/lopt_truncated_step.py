@@ -7,16 +7,12 @@ reaches the trajectory length reports ``is_done``; the next step resets that
 task (new task sample, new parameters, a fresh optimizer state, ``inner_step``
 0) and reports ``loss=0, mask=False, iteration=0``.
 
-As in the reference library (``learned_optimization.outer_trainers.
-lopt_truncated_step``), the random initial iteration offset moves only
-``inner_step``: a task that starts at offset k is a fresh task, with a fresh
-optimizer state at iteration 0, whose first trajectory is k steps shorter. The
-inner optimizer's own ``iteration`` (which time features read) always counts the
-updates it has really applied.
-
-Resets are the expensive part of a step (a task init and an optimizer init), so
-they run under one ``lax.cond`` for the whole batch: steps in which no task
-resets, most of them, never pay for an init.
+As in ``learned_optimization.outer_trainers.lopt_truncated_step``, the random
+initial iteration offset moves only ``inner_step``: a task that starts at
+offset k is a fresh task whose first trajectory is k steps shorter, and the
+inner optimizer's own ``iteration`` counts the updates it really applied.
+Resets run under one ``lax.cond`` for the whole batch, so the steps where no
+task resets never pay for an init.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ __all__ = ["LOptTruncatedState", "VectorizedLOptTruncatedStep"]
 class LOptTruncatedState(NamedTuple):
     """Per-task state (every field has a leading ``num_tasks`` axis).
 
-    The fields and their order are the reference's ``TruncatedUnrollState``.
+    The fields and their order are learned_optimization's ``TruncatedUnrollState``.
 
     Attributes:
       inner_opt_state: The inner optimizer's state (params, iteration, ...).
@@ -72,14 +68,14 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         with ``inner_step`` drawn uniformly from ``[0, offset)`` (the inner
         optimizer still starts at iteration 0), so that the population's
         resets are spread out rather than in lockstep. Set it to the
-        schedule's (maximum) length, as the reference advises; an offset at or
+        schedule's (maximum) length, as learned_optimization advises; an offset at or
         past a trajectory's length ends that trajectory on its first step.
         :meth:`init_episode_state` ignores it.
       meta_loss_split: None to use the normalized training loss before the update
         as the per-step meta-loss; otherwise a data split (e.g. "outer_valid") on
         which the updated parameters are evaluated.
       host_data: if True, ``get_batch`` pulls host batches from the family's
-        ``datasets`` iterators (the reference behaviour); by default data is
+        ``datasets`` iterators (learned_optimization's behaviour); by default data is
         sampled on device inside the jitted unroll and ``get_batch`` returns None.
     """
 
@@ -109,7 +105,7 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         self.host_data = host_data
 
     def outer_init(self, key: jax.Array) -> Any:
-        """The learned optimizer's initial theta, as the reference returns."""
+        """The learned optimizer's initial theta, as learned_optimization returns it."""
         return self.learned_opt.init(key)
 
     # -- one task -----------------------------------------------------------------
@@ -259,7 +255,7 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         phase = unroll_state.inner_step / jnp.maximum(unroll_state.truncation_state.length, 1)
         return jnp.minimum(phase, 1.0)
 
-    # -- host data (reference-compatible path) -----------------------------------
+    # -- host data (learned_optimization-compatible path) ----------------------
 
     def _host_batches(self, steps: int | None, split: str) -> Any:
         if not self.host_data or self.task_family.datasets is None:

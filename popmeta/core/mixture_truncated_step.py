@@ -1,31 +1,16 @@
 """One worker's tasks drawn from several task families at once.
 
-Tasks of different families have different parameter pytrees (and often
-different batch shapes), so they cannot share one vmapped batch. A
-:class:`MixtureTruncatedStep` holds one
+Tasks of different families have different parameter pytrees, so they cannot
+share one vmapped batch. A :class:`MixtureTruncatedStep` holds one
 :class:`~popmeta.core.lopt_truncated_step.VectorizedLOptTruncatedStep` per
 *group* (a family, or one sampled architecture of a parametric family) and
-gives each a contiguous block of the worker's task slots: slots
-``[start_g, start_g + n_g)`` belong to group ``g`` for the whole run (a reset
-draws a new task of the same group). The block sizes are static, so every
-group compiles once and a truncation stays one ``lax.scan``.
-
-Per task, the mixture behaves exactly like its groups side by side: its state
-is the tuple of the groups' states, each group's step runs with the step key
-folded with the group's index (``jax.random.fold_in(key, g)``), a theta with a
-task axis is sliced into the groups' blocks, and the per-task outputs are
-concatenated along the task axis. Estimators index per-task quantities (noise,
-PES accumulators, ``starts_with_reset``) by that axis only, so they work on a
-mixture unchanged. ``TruncatedUnrollOut.task_param`` carries each slot's
-family index (int32), since the groups' task parameters have different
-structures.
-
-:func:`apportion` splits the slots among families in proportion to their
-weights: every family gets at least one slot and the remaining slots go by
-largest remainder. Every worker of a run gets the same split, so every
-worker's state has the same shapes (a checkpoint's worker states share one
-template). A family's share of the gradient is its share of the slots, which
-equals its weight up to rounding to whole slots.
+gives each a fixed, contiguous block of the worker's task slots, so every
+group compiles once and a truncation stays one ``lax.scan``. Per task it
+behaves exactly like its groups side by side, so the estimators run on it
+unchanged. :func:`apportion` splits the slots by the families' weights, the
+same on every worker, so a checkpoint's worker states share one template.
+How the groups' keys, thetas and outputs are combined: docs/design.md,
+"Contracts".
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@
 Every ``jax.random`` draw of the default (threefry) key is one or more calls of
 the Threefry-2x32 hash (Salmon et al., "Parallel random numbers: as easy as
 1, 2, 3", SC 2011; 20 rounds). On GPU and TPU, JAX emits its 20 rounds
-unrolled; on CPU it emits them as a 5-iteration ``while`` loop. XLA's CPU
-runtime then runs every iteration as about 16 separate operations (13 copies
-of the loop state and 3 fusions), so even a small random draw costs dozens of
-operations. In an ES estimate
-most draws are small (a perturbation, a batch index, a reset), so on CPU this
-overhead is a large part of a truncation: the (b) configuration of
-``bench/estimators.py`` ran 5,273 XLA operations per estimate with the loop
-and 1,161 unrolled.
+unrolled; on CPU it emits them as a 5-iteration ``while`` loop, which XLA's
+CPU runtime runs as many separate small operations per iteration. In an ES
+estimate most draws are small, so on CPU this overhead is a large part of a
+truncation (measured in docs/performance.md, "Why it is fast").
 
 :func:`use_unrolled_threefry_on_cpu` makes JAX emit the unrolled hash on CPU
 too. The hash is a pure function of its inputs, so every random number is
@@ -68,10 +64,7 @@ def use_unrolled_threefry_on_cpu() -> None:
 
     Affects every computation compiled afterwards in this process (popmeta's
     and any other), never the numbers it computes. Calling it again is
-    harmless. Measured on 2 CPU cores, it took 15-35% off the time of an
-    MLPLOpt PES estimate on 10-dimensional quadratics (8 tasks, 10 steps),
-    ``bench/estimators.py`` ran its (a) and (b) at 1.4x the inner steps per
-    second, and compile times did not grow measurably.
+    harmless. What it saves is measured in docs/performance.md.
     """
     mlir.register_lowering(
         threefry2x32_p,

@@ -43,7 +43,7 @@ def replace(self: Any, **fields: Any) -> Any:
     """A copy of the NamedTuple ``self`` with ``fields`` replaced.
 
     State NamedTuples bind this as their ``replace`` method, so that code written
-    for the reference library's ``flax.struct.dataclass`` states, such as
+    for learned_optimization's ``flax.struct.dataclass`` states, such as
     ``opt_state.replace(iteration=0)``, runs unchanged.
 
     Raises:

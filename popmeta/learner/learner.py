@@ -94,8 +94,8 @@ class Learner:
     def _padded(self, agg: Aggregate) -> tuple[tuple[Any, ...], np.ndarray]:
         """The round's estimates, padded with zeros of weight 0 to the largest round so far.
 
-        The step is compiled once per number of estimates (1.1 to 1.8 s for
-        MLPLOpt's theta on a 2-core CPU), so a round short of an estimate (a
+        The step is compiled once per number of estimates (seconds: see
+        docs/performance.md, "The learner"), so a round short of an estimate (a
         lost actor, a rejected estimate) would otherwise stall for a compile.
         Zeros of weight 0 add exactly nothing to the sum.
         """

@@ -3,22 +3,15 @@
 Nothing here talks to Ray. The caller turns ``ray.nodes()`` into
 :class:`NodeSnapshot` records (:meth:`NodeSnapshot.from_ray`) and the functions
 below decide, from those and the run's
-:class:`~popmeta.config.PopulationConfig`:
-
-* the ranks and, with ``one_actor_per_node_with: R``, one target node per
-  alive node carrying R (in the snapshot's order), held by node affinity;
-* whether CPUs are pinned, and which core slots each actor gets: actors that
-  share a node take distinct slots, round-robin over that node's CPU count;
-* the resources one actor requests, and how many such actors the cluster holds;
-* the placement-group bundles to reserve on a multi-node cluster when pinning,
-  and each actor's node and cores once the bundles' nodes are known;
-* the node that hosts a replacement when an actor of a one-per-node
-  population is lost.
-
-Pinning applies to CPU-only actors only (no GPUs, no custom resources, not one
-per node): accelerator hosts and whole-node actors need all of their node's
-cores. Core slots are positions among the cores an actor process may use, not
-core ids (see :func:`~popmeta.actors.actor.pin_process_to_cores`).
+:class:`~popmeta.config.PopulationConfig`: the ranks and, with
+``one_actor_per_node_with: R``, one target node per alive node carrying R;
+whether CPUs are pinned and which core slots each actor gets (distinct slots
+for actors that share a node); the resources one actor requests and how many
+such actors the cluster holds; the placement-group bundles a pinned
+multi-node population reserves; and the node that hosts a replacement in a
+one-per-node population. Pinning applies to CPU-only actors only:
+accelerator hosts and whole-node actors need all of their node's cores. Core
+slots are positions among the cores an actor process may use, not core ids.
 """
 
 from __future__ import annotations

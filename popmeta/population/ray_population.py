@@ -3,84 +3,15 @@
 :class:`RayPopulation` is a gather policy (:class:`SyncGather` or
 :class:`AsyncGather`) on top of an
 :class:`~popmeta.population.supervisor.ActorSupervisor`, which owns the
-actors: their placement, readiness, calls, deadlines and replacement.
-
-Theta crosses to the actors once per version: one ``ray.put`` whose ObjectRef
-every actor call for that version receives; a theta of at most
-:data:`INLINE_THETA_BYTES` goes by value inside each call instead (Ray
-inlines small arguments in the call itself, which on 2 CPU cores took a
-round trip from 2.4 ms to 1.0 ms: no object-store write, no fetch in the
-actor). Estimates come back by value.
-Work goes to *ready* actors only: an actor is ready once it has started and
-compiled its estimate (a replacement loads its compilations from JAX's
-persistent cache, see :mod:`popmeta.actors.actor`).
-
-* ``mode: sync`` -- each round asks every ready actor for one estimate of this
-  version and returns them in actor-rank order, so a run with a fixed seed and
-  no actor losses is deterministic (and bitwise equal to the local engine).
-  A round's members are the actors ready when it starts, and it completes
-  with those that survive it: a rank whose actor is lost during the round has
-  no estimate in it (unless its replacement is ready before the others are
-  done), and a replacement still starting holds no round up; it joins from the
-  first round that starts after it is ready. ``Gathered.missing`` names the
-  ranks without an estimate. With ``population.compiled_graph`` the round's
-  calls go through one Ray compiled graph over its actors (see
-  :meth:`~popmeta.population.supervisor.ActorSupervisor.call_compiled`), and
-  theta goes by value through the graph's channels; a rank the graph leaves
-  without an estimate gets an ordinary call. A round never ends empty while
-  an actor lives: if every member is lost, it waits for the first actor to be
-  ready and takes its estimate. A reply on another version (a leftover of an interrupted earlier
-  gather) is dropped and counted as stale.
-* ``mode: async`` -- every ready actor keeps ``calls_in_flight`` calls queued,
-  so it never idles waiting for theta, and no actor waits for another. The
-  learner takes estimates in completion order; when a call finishes its actor
-  is resubmitted at once with the newest theta. ``gather`` returns once
-  ``batch_size`` estimates were accepted. One computed on version v is
-  accepted at learner version u if ``u - v <= max_staleness``; otherwise it is
-  dropped and counted for its rank in ``Gathered.dropped_stale``, unless its
-  rank is *starving* (below).
-
-Starvation guard (async). An actor slower than the learner's staleness
-window has every estimate dropped, for ever: its inner problems (its tasks,
-possibly its hardware's share of the task distribution) silently vanish from
-the meta-gradient, biasing it towards the fast actors' tasks. Equal actors can
-lock into the same state: with queued calls, the one that falls behind keeps
-computing on theta that its faster peer has already made too old. So every
-live rank gets at least one estimate accepted per ``8 * ceil(N / batch_size)``
-learner updates (N ranks; eight times the average spacing of one rank's
-estimates when all keep pace, :func:`starving_after`): a rank that has gone
-that long without one is *starving*, and its next reply is accepted whatever
-its staleness, at full weight, and counted in ``Gathered.accepted_late`` (its
-staleness goes into ``Gathered.staleness`` as it is). An actor slower than
-that has every estimate used, as often as it delivers them; actors that keep
-pace are not affected. Full weight, because down-weighting by staleness would
-shrink exactly the share the guard restores; the price is that a slow actor's
-estimates are as old as it is slow, and that ``max_staleness`` bounds every
-estimate except those counted in ``accepted_late``.
-
-A lost actor (dead, while starting or at work, or silent past its deadline)
-is replaced by a fresh one of the same rank and the next ``restart`` number:
-the actor derives new keys from it, so its inner problems restart at new
-random offsets. Its calls in flight are lost (``Gathered.lost_in_flight``) and
-the run goes on; the replacements of each gather (the first gather also
-reports those of the population's start) are in ``Gathered.restarted``. A
-rank replaced ``max_actor_restarts`` times in a row without delivering makes
-``gather`` raise :class:`~popmeta.population.supervisor.PopulationLostError`.
-
-Worker states (exact resume). :meth:`RayPopulation.export_worker_states`
-asks every ready actor for its worker's exported state, and
-:meth:`RayPopulation.load_worker_states` has each actor continue from one,
-both between gathers. Sync mode exports only at a round boundary (after a
-completed gather, no call in flight), where a population restored from the
-export continues bit for bit. Async mode exports each actor's state after the
-calls queued on it; the estimates of those calls are not part of it. A
-replacement actor starts fresh, never from a saved state: a saved state is
-older than the lost actor's progress, and restoring it would rerun inner
-trajectories that were already used.
-
-The population never starts or stops Ray: it uses the instance initialised in
-this process (the run opens it with
-:func:`~popmeta.population.ray_runtime.start_ray_for`).
+actors. Theta crosses to the actors once per version (one ``ray.put``, or
+inside each call when it is at most :data:`INLINE_THETA_BYTES`); estimates
+come back by value. Sync rounds return one estimate per ready actor in rank
+order, so a run without actor losses is deterministic; async gathering takes
+estimates in completion order, bounds their staleness, and accepts a starving
+rank's estimate whatever its staleness so no actor's tasks vanish from the
+meta-gradient. Lost actors are replaced with fresh keys. The population never
+starts or stops Ray. What each mode guarantees, and why:
+docs/population.md.
 """
 
 from __future__ import annotations
@@ -240,7 +171,7 @@ class AsyncGather:
         estimate on version v, from ranks that are not starving.
       calls_in_flight: calls each ready actor keeps queued.
       starvation_guard: accept a starving rank's next reply whatever its
-        staleness (see the module's docstring and :func:`starving_after`);
+        staleness (see docs/population.md and :func:`starving_after`);
         False: every estimate beyond ``max_staleness`` is dropped, however
         long a rank starves.
     """

@@ -6,18 +6,11 @@ process binds and talks to 127.0.0.1 only, there is no dashboard, no usage
 reporting, no auth token written to ``~/.ray`` and no Ray log lines on the
 user's terminal. ``start_ray("auto")`` (or ``RAY_ADDRESS``) joins an existing
 cluster, which is how ``ray submit`` / ``ray job submit`` runs work. If Ray is
-already initialised in this process (a test session, a notebook, a caller's
-own ``ray.init``), that instance is reused and left running.
-
-This module is the one owner of Ray's lifetime in a run: the run loop opens
-the runtime with :func:`start_ray_for` before it builds a
-:class:`~popmeta.population.ray_population.RayPopulation` (which only uses the
-instance it finds) and shuts it down after the population is closed.
-
-Example::
-
-    with start_ray_for(config.population):
-        population = RayPopulation(config)
+already initialised in this process, that instance is reused and left
+running. This module is the one owner of Ray's lifetime in a run: the run
+loop opens it with :func:`start_ray_for` before it builds a
+:class:`~popmeta.population.ray_population.RayPopulation` and shuts it down
+after the population is closed. The Ray facts behind it: docs/ray.md.
 """
 
 from __future__ import annotations
@@ -49,8 +42,8 @@ __all__ = [
 
 #: Environment that keeps an embedded Ray on loopback and quiet.
 #: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray take 127.0.0.1 as the node
-#: address (``--node-ip-address`` alone is silently overridden); Ray 2.60 would
-#: otherwise enable token auth and write ``~/.ray/auth_token``.
+#: address (``--node-ip-address`` alone is silently overridden); Ray would
+#: otherwise enable token auth and write ``~/.ray/auth_token`` (docs/ray.md).
 LOOPBACK_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",

@@ -5,30 +5,10 @@ owns their compiled forms and the host side of a call: it fetches host data
 (when the truncated step has any), donates the worker state to the compiled
 call so that its buffers are reused, and combines several truncations into one
 estimate. Every runner follows :class:`EstimateRunner`:
-
-- :class:`SingleDeviceRunner` runs on JAX's default device. Every estimator
-  holds one (``GradientEstimator.runner``), which its
-  ``compute_gradient_estimate`` uses.
-- :class:`ShardedRunner` splits the estimator's ``num_tasks`` inner problems
-  evenly over several local devices (the GPUs given to one actor, or CPU
-  devices forced with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``):
-  a 1-D mesh with axis ``tasks``, every worker-state leaf sharded along its
-  task axis (``GradientEstimator.state_task_axes``), theta and keys
-  replicated. The compiled estimate is given matching ``in_shardings`` /
-  ``out_shardings`` and donates the state, so the state never leaves its
-  devices between calls; only the small theta-shaped estimate is replicated
-  (one all-reduce over tasks). Random numbers do not depend on the sharding
-  (``jax_threefry_partitionable``, the default), so it computes the same
-  estimates as a single device up to the order of the cross-device sums.
-
-:func:`make_runner` picks between them from a list of devices.
-
-Several truncations per call (``num_truncations`` K > 1): with on-device data
-the K truncations are one compiled ``estimate_many`` call (one dispatch
-however large K). With host data each truncation needs its own batch from
-``get_batch``, so the truncations run as K compiled ``estimate`` calls and are
-combined on device with the same weighted sums as ``estimate_many``
-(:mod:`popmeta.core.estimators.truncations`).
+:class:`SingleDeviceRunner` runs on JAX's default device (every estimator
+holds one), :class:`ShardedRunner` splits the estimator's tasks over several
+local devices, and :func:`make_runner` picks between them. How sharding and
+several truncations per call work: docs/design.md, "Contracts".
 """
 
 from __future__ import annotations

@@ -8,29 +8,11 @@ rather than from nothing:
     d, s = MLP(features)                            (per parameter)
     p   <- p - exp(log_lr) * exp(s) * (a + d)
 
-The output layer starts at zero, so an untrained theta *is* Adam with
-learning rate ``initial_lr`` and betas ``(beta1, rms_decay)``. Meta-training
-then only has to find what beats Adam (a schedule, per-parameter rescaling, a
-correction to the direction), which a short ES run can; a learned optimizer
-started from "do nothing" spends most of a short run learning to be Adam.
-
-Inputs per parameter: the 10 features of MLPLOpt (``p``, ``g``, momentums for
-``decays``, ``v``, the ratios ``m / sqrt(v)``, ``1 / sqrt(v)``, each
-normalised over its tensor) and shared time features:
-
-* ``tanh(iteration / timescale - 1)`` for the short ``timescales`` (1 to 30
-  steps): where the run is in its first steps, when the accumulators are
-  still filling;
-* the *horizon* features ``f = iteration / num_steps`` and
-  ``tanh(8 (f - c))`` for ``c`` in ``horizon_centers``: how far through its
-  planned run the inner problem is. ``num_steps`` is what
-  :meth:`Optimizer.init` receives: the trajectory length in meta-training,
-  the evaluation's step count at meta-test. So a schedule learned at one
-  horizon stretches to another, as cosine decay does, and every input stays in
-  the range seen in training at 5x the horizon: with time features in absolute
-  steps only (MLPLOpt's, up to 10,000), a longer run feeds the MLP inputs it
-  never saw. Under a never-ending truncation schedule ``num_steps`` is
-  int32's maximum and ``f`` stays near 0.
+The output layer starts at zero, so an untrained theta *is* Adam, and
+meta-training only has to find what beats Adam. Besides MLPLOpt's features
+the MLP reads *horizon* features (the fraction of the planned run done), so
+a schedule learned at one horizon stretches to another and no input leaves
+its training range at a longer one. The features, and why: docs/learned-optimizers.md.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ __all__ = [
 
 Params = Any
 
-#: Momentum EMA decays of the reference MLPLOpt.
+#: Momentum EMA decays of popmeta's MLPLOpt (learned_optimization's has six: docs/learned-optimizers.md).
 DEFAULT_DECAYS: tuple[float, ...] = (0.5, 0.9, 0.99)
 #: Timescales (in steps) of the short time features: where a run is in its first steps.
 SHORT_TIMESCALES: tuple[float, ...] = (1, 3, 10, 30)
@@ -171,7 +171,7 @@ def mlp_init(key: jax.Array, sizes: Sequence[int], output_init_scale: float) -> 
     """``{"linear_i": {"w", "b"}}`` for layer widths ``sizes``.
 
     Haiku's default Linear init (truncated normal, std ``1/sqrt(fan_in)``, zero
-    biases), as the reference MLPLOpt uses, with the output layer's weights
+    biases), as learned_optimization's MLPLOpt uses, with the output layer's weights
     multiplied by ``output_init_scale``.
     """
     keys = jax.random.split(key, len(sizes) - 1)
@@ -201,9 +201,7 @@ def _linear(w: jax.Array, x: jax.Array, feature_major: bool) -> jax.Array:
     broadcast multiply-adds, which XLA fuses into one elementwise loop with
     the bias and the activation around it. Under a vmap over tasks and
     members, XLA's CPU dot kernels run such shapes one small product per
-    member: as dots, the first and output layers of a 2,410-parameter MLP ran
-    1.4x and 2.2x slower, and a whole PES estimate of MLPLOpt on 10-parameter
-    quadratics 1.2-1.4x slower. A large layer over many parameters (the 32x32
+    member, which was slower (docs/performance.md, "Why it is fast"). A large layer over many parameters (the 32x32
     hidden layer on an image MLP) stays a dot, which is faster there. So
     does a large layer in the row-major layout: unrolled, it ran no faster
     and compiled far slower.
@@ -229,8 +227,8 @@ def _mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
     The shared inputs' share of the first layer is a bias. Below
     ``_MIN_FEATURE_MAJOR_PARAMETERS`` columns the layers run row-major: with a
     few dozen parameters, a row of 32 hidden units fills the CPU's vector
-    lanes better than a row of a few dozen parameters does (a 10-parameter
-    problem's PES estimate ran 1.3-1.4x faster row-major than feature-major).
+    lanes better than a row of a few dozen parameters does (measured in
+    docs/performance.md, "Why it is fast").
     """
     feature_major = x.shape[1] >= _MIN_FEATURE_MAJOR_PARAMETERS
     num_per_parameter = x.shape[0]
@@ -269,11 +267,10 @@ def per_parameter_mlp(
     stacked into one feature-major ``[features, total parameters]`` matrix, so
     each layer is one operation however many tensors the inner problem has,
     and the shared features' share of the first layer is computed once, as a
-    bias, instead of once per parameter. Measured under a vmap over 16
-    members on 2 CPU cores, this ran MLPLOpt's update on a 2,410-parameter
-    MLP 2.9x faster than per-tensor row-major dots (1.4 ms against 4.0 ms),
-    and 1.8x on 100 parameters; below ``_MIN_FEATURE_MAJOR_PARAMETERS``
-    parameters the same layers run row-major, which is faster there.
+    bias, instead of once per parameter (faster than per-tensor row-major
+    dots: docs/performance.md, "Why it is fast"); below
+    ``_MIN_FEATURE_MAJOR_PARAMETERS`` parameters the same layers run
+    row-major, which is faster there.
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
     columns = [

@@ -1,19 +1,12 @@
 """Hand-designed optimizers whose hyperparameters are meta-learned.
 
-Theta is an unconstrained, smooth reparameterisation of the hyperparameters,
-so that ES perturbations and gradient steps can never produce an invalid
-optimizer:
-
-* ``log_lr``: ``lr = exp(log_lr)`` (> 0).
-* ``logit_one_minus_<decay>``: ``decay = 1 - sigmoid(theta)`` (in (0, 1)).
-  Parameterising ``1 - decay`` rather than ``decay`` puts the resolution where
-  it matters (0.99 vs 0.999) and keeps float32 round-trips of the initial
-  value accurate (``1 - sigmoid(logit(1e-3))`` recovers 0.999 to ~1e-10).
-* ``log_epsilon``: ``epsilon = exp(log_epsilon)`` (> 0).
-
-At its initial theta each optimizer is numerically the corresponding baseline
-of :mod:`popmeta.core.optimizers` (``LearnableSGDM(0.1).opt_fn(theta)`` behaves
-like ``SGDM(0.1, 0.9)``).
+Theta is an unconstrained, smooth reparameterisation of the hyperparameters
+(``log_lr``, ``logit_one_minus_<decay>``, ``log_epsilon``), so that ES
+perturbations and gradient steps can never produce an invalid optimizer. At
+its initial theta each optimizer is numerically the corresponding baseline
+of :mod:`popmeta.core.optimizers` (``LearnableSGDM(0.1).opt_fn(theta)``
+behaves like ``SGDM(0.1, 0.9)``). Why this parameterisation:
+docs/learned-optimizers.md.
 """
 
 from __future__ import annotations

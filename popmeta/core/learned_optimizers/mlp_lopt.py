@@ -2,45 +2,16 @@
 
 Follows ``learned_optimization.learned_optimizers.mlp_lopt.MLPLOpt``: the same
 tiny MLP is applied elementwise to every parameter of every tensor, reading
-features of that parameter's optimisation history and emitting a
-``(direction, magnitude)`` pair:
+features of that parameter's optimisation history (gradient, parameter,
+momentums, second moment, Adam-like ratios, each normalised over its tensor,
+and shared time features) and emitting a ``(direction, magnitude)`` pair:
 
     step = direction * exp(magnitude * magnitude_multiplier) * step_multiplier
     p   <- p - step
 
-Input features per parameter (19 with the defaults), in order:
-
-* ``p``, ``g``                                          (2)
-* momentums ``m_k = d_k m_k + (1 - d_k) g`` for each of ``decays``  (3)
-* second moment ``v = rms_decay v + (1 - rms_decay) g**2``          (1)
-* ``m_k / sqrt(v + eps)`` for each decay (Adam-like directions)     (3)
-* ``1 / sqrt(v + eps)``                                             (1)
-* ``tanh(iteration / timescale - 1)`` for each of ``timescales``   (9)
-
-The first ten are normalised by their second moment over the tensor (as the
-reference does), which makes the optimizer invariant to each tensor's gradient
-and parameter scale; the time features are shared by the whole tensor.
-
-How this differs from the reference's ``MLPLOpt`` (also 19 inputs, but not the
-same 19, so a reference theta cannot be loaded here):
-
-* Reference per-parameter features: ``g``, ``p`` and six momentums with decays
-  (0.1, 0.5, 0.9, 0.99, 0.999, 0.9999), 8 in all. Here: ``p``, ``g``, three
-  momentums (0.5, 0.9, 0.99) and four features the reference does not have:
-  the squared-gradient EMA ``v`` (decay 0.999), the three Adam-like ratios
-  ``m_k / sqrt(v + eps)`` and ``1 / sqrt(v + eps)``, 10 in all.
-* Reference time features: 11 timescales, 1 to 100000. Here: 9, 1 to 10000.
-* Both normalise the per-parameter features by their second moment over the
-  tensor. The ``p`` feature is then ``p / rms(p)``, in both: on a task whose
-  optimum is at the origin it points straight at the optimum, which is why
-  the quadratic families sample a target per task.
-* Reference theta is Haiku's ``{"mlp/~/linear_i": {"w", "b"}}`` with Haiku's
-  default init; here it is ``{"linear_i": {"w", "b"}}`` with the same init,
-  except that the output layer is scaled by ``output_init_scale`` (1e-3), so
-  that an untrained theta takes tiny steps.
-* The step (``direction * exp(magnitude * magnitude_multiplier) *
-  step_multiplier``, both multipliers 0.001) and the state's ``iteration``
-  (the updates applied, read by the time features) are the reference's.
+Its 19 inputs are not learned_optimization's 19, so a learned_optimization
+theta cannot be loaded here. The features in order, and every difference
+from learned_optimization's MLPLOpt: docs/learned-optimizers.md.
 """
 
 from __future__ import annotations

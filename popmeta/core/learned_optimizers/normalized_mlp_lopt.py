@@ -11,29 +11,9 @@ distribution:
     lr      = exp(log_lr + bound(schedule(global features))) * external(f)
     p      <- p - lr * n
 
-Every tensor moves by exactly ``lr`` in root mean square, whatever the
-MLP outputs, so no input the MLP never saw can make a step explode; the MLP
-chooses the direction and how the step is shared within a tensor, and a small
-second MLP over the global features (training progress and normalized loss)
-chooses the step size, like a learned learning-rate schedule. ``external``
-is an optional fixed schedule of the fraction of the run done ``f``
-(``cosine``: ``(1 + cos(pi f)) / 2``; ``linear``: ``1 - f``).
-
-Both MLPs' output layers start at zero, so an untrained theta is Adam with its
-update RMS-normalized per tensor and learning rate ``initial_lr``: each
-tensor's Adam step rescaled to root mean square ``initial_lr`` (the per-tensor
-update normalization of LAMB-like rules, without a trust ratio).
-
-Global features (read by both MLPs, the same for every parameter):
-:func:`~popmeta.core.learned_optimizers.features.time_and_horizon_features`
-(short timescales 1 to 30 steps, the fraction of the run done
-``f = iteration / num_steps`` and ``tanh(8 (f - c))`` for ``c`` in 0.1, 0.5,
-0.9) and, with ``loss_features``, two normalized loss features:
-``(l - l0) / (|l| + |l0|)`` against the run's first loss ``l0`` and
-``(l - e) / (|l| + |e|)`` against an EMA ``e`` of the loss (decay 0.9), each
-in [-1, 1] for losses of any sign and scale. No feature reads the absolute
-number of steps past 30, so a run 10x longer than any trained on feeds the
-same range of inputs.
+Every tensor moves by exactly ``lr`` in root mean square, so no input the MLP
+never saw can make a step explode. Untrained, it is Adam with its update
+RMS-normalized per tensor. Its features, and why: docs/generalist.md.
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ def vec_get_batch(
 ) -> Any:
     """Stacks ``n_tasks`` host batches along a new leading axis.
 
-    Host-side counterpart of ``jax.vmap(family.sample_batch)(keys)``, as in the
-    reference library.
+    Host-side counterpart of ``jax.vmap(family.sample_batch)(keys)``, as in
+    learned_optimization.
 
     Args:
       task_family: Anything with a ``datasets`` attribute.

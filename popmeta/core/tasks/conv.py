@@ -39,7 +39,7 @@ def _conv_same(x: jax.Array, w: jax.Array) -> jax.Array:
     and multiplied by the kernel as a ``[k k C, C_out]`` matrix. Under a vmap
     over tasks, each with its own kernel, this stays a batched matrix
     product; ``lax.conv_general_dilated`` becomes a grouped convolution there,
-    which XLA's CPU backend ran about 10x slower (README, Performance, "The
+    which XLA's CPU backend ran about 10x slower (docs/performance.md, "The
     conv net"). It equals ``lax.conv`` up to float rounding (a test compares them).
     """
     k = w.shape[0]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SPLITS: tuple[str, ...] = ("train", "inner_valid", "outer_valid", "test")
-"""The four splits every dataset exposes, in the reference library's order."""
+"""The four splits every dataset exposes, in learned_optimization's order."""
 
 DEFAULT_SPLIT_FRACTIONS: tuple[float, float, float, float] = (0.7, 0.1, 0.1, 0.1)
 
@@ -46,7 +46,7 @@ class _HostBatchIterator:
 
     Epoch-wise shuffling (rather than i.i.d. draws) mirrors a
     ``shuffle().repeat().batch()`` input pipeline, which is what host-side users
-    of the reference library are used to.
+    of learned_optimization are used to.
     """
 
     def __init__(self, arrays: Any, batch_size: int, seed: int):

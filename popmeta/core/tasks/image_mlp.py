@@ -1,20 +1,17 @@
 """MLP image classifiers on small in-memory 8x8 datasets.
 
-:class:`ImageMLPTask` computes what the reference's image MLP tasks
+:class:`ImageMLPTask` computes what learned_optimization's image MLP tasks
 (``learned_optimization.tasks.fixed.image_mlp``, e.g.
 ``ImageMLP_FashionMnist8_Relu32``) compute: images flattened, a relu MLP
-(``hk.nets.MLP``: weights truncated-normal with std ``1/sqrt(fan_in)``, zero
-biases, no activation on the logits), mean softmax cross-entropy, and a
-normalizer that clips the loss to ``[0, 1.5 log(num_classes)]`` and maps NaN
-to that upper bound. Its parameters are
-``{"linear_i": {"w", "b"}}`` where Haiku names them ``"mlp/~/linear_i"``.
-
-The datasets are popmeta's, and so are the task names: the reference's 8x8
-tasks read TFDS datasets (Fashion-MNIST, MNIST, CIFAR-10) resized to 8x8,
-which need downloads; ``ImageMLP_Digits8_Relu32`` uses scikit-learn's bundled
-8x8 digits (``ImageMLP_Digits4_Relu32`` / ``ImageMLP_Digits16_Relu32`` the
-same digits resampled to 4x4 / 16x16) and ``ImageMLP_Npz8_Relu32`` a local
-``.npz``, all small enough to live on device, so batches are sampled inside jit.
+(``hk.nets.MLP``'s init, no activation on the logits), mean softmax
+cross-entropy, and a normalizer that clips the loss to
+``[0, 1.5 log(num_classes)]`` and maps NaN to that upper bound. Its
+parameters are ``{"linear_i": {"w", "b"}}`` where Haiku names them
+``"mlp/~/linear_i"``. The datasets and task names are popmeta's:
+learned_optimization's 8x8 tasks read TFDS datasets that need downloads;
+``ImageMLP_Digits8_Relu32`` uses scikit-learn's bundled 8x8 digits (also
+resampled to 4x4 and 16x16) and ``ImageMLP_Npz8_Relu32`` a local ``.npz``,
+all small enough to live on device, so batches are sampled inside jit.
 """
 
 from __future__ import annotations
@@ -56,7 +53,7 @@ class ImageMLPTask(Task):
     Batches are ``{"image": float32 [B, H, W, C], "label": int32 [B]}``.
     Params are ``{"linear_i": {"w": [fan_in, fan_out], "b": [fan_out]}}``;
     weights are truncated-normal with std ``1/sqrt(fan_in)`` (Haiku's
-    ``hk.Linear`` default, as in the reference tasks), biases are zero.
+    ``hk.Linear`` default, as in learned_optimization's tasks), biases are zero.
 
     Attributes:
       data: The :class:`InMemoryDataset` sampled on device.
@@ -153,7 +150,7 @@ class ImageMLPTask(Task):
 
     def normalizer(self, loss: jax.Array) -> jax.Array:
         # Divergent inner runs would otherwise dominate the meta-loss (or make it
-        # NaN); the reference image tasks cap it at 1.5x the loss of a uniform
+        # NaN); learned_optimization's image tasks cap it at 1.5x the loss of a uniform
         # prediction.
         max_value = np.float32(1.5 * np.log(self.num_classes))
         return jnp.nan_to_num(jnp.clip(loss, 0.0, max_value), nan=max_value)

@@ -1,7 +1,7 @@
 """Quadratic tasks and task families, as ``learned_optimization.tasks.quadratics`` defines them.
 
-Each class here carries the reference library's name and computes what the
-reference's class of that name computes:
+Each class here carries learned_optimization's name and computes what its
+class of that name computes:
 
 * :class:`QuadraticTask`: ``sum(p**2)``, ``p ~ N(0, I)``; data-free.
 * :class:`FixedDimQuadraticFamily`: a target ``t ~ N(0, I)`` per task, loss
@@ -32,7 +32,7 @@ __all__ = [
     "QuadraticTask",
 ]
 
-# The reference clips FixedDimQuadraticFamilyData's meta-loss at this value.
+# learned_optimization clips FixedDimQuadraticFamilyData's meta-loss at this value.
 _DATA_LOSS_CLIP = 1000.0
 
 
@@ -80,7 +80,7 @@ class FixedDimQuadraticFamily(TaskFamily):
 
     ``task_param`` is the target ``t ~ N(0, I)`` of shape ``[dim]``; the task's
     loss is ``sum((t - p)**2)`` (minimised at ``p = t``) and its parameters
-    start at ``p ~ N(0, I)``, as in the reference library.
+    start at ``p ~ N(0, I)``, as in learned_optimization.
     """
 
     def __init__(self, dim: int = 10):
@@ -112,7 +112,7 @@ class _CurvedQuadraticTask(Task):
 class CurvedQuadraticFamily(TaskFamily):
     """popmeta's own family: sampled targets *and* per-coordinate curvatures; data-free.
 
-    Not a reference family. Each task draws a target ``t ~ N(0, I)`` and a
+    Not a learned_optimization family. Each task draws a target ``t ~ N(0, I)`` and a
     curvature ``s_i ~ LogUniform(min_curvature, max_curvature)`` per
     coordinate (``task_param = (t, log s)``), and
 
@@ -183,12 +183,12 @@ class FixedDimQuadraticFamilyData(TaskFamily):
         loss(p, x) = sum((t - p)**2) + x,    normalizer(l) = clip(l, 0, 1000).
 
     The noise shifts the loss but not its gradient, so the inner optimizer sees
-    exact gradients while the meta-loss is noisy; that is the reference
-    library's definition. The on-device :meth:`sample_batch` draws ``x`` from
+    exact gradients while the meta-loss is noisy; that is
+    learned_optimization's definition. The on-device :meth:`sample_batch` draws ``x`` from
     its key (a pure function of it, so antithetic members share it); the host
     :attr:`datasets` are infinite numpy iterators seeded from ``seed`` (split
-    ``i`` of :data:`SPLITS` uses ``seed + i``), where the reference's are
-    unseeded.
+    ``i`` of :data:`SPLITS` uses ``seed + i``), where learned_optimization's
+    are unseeded.
     """
 
     def __init__(self, dim: int = 10, seed: int = 0):
