@@ -157,13 +157,6 @@ def _warm_up(worker: Any) -> None:
     jax.block_until_ready(out.grad)
 
 
-def _to_host(tree: Any) -> Any:
-    # Ray serialises numpy arrays faster than jax.Array leaves (docs/ray.md).
-    import jax
-
-    return jax.tree_util.tree_map(np.asarray, tree)
-
-
 class ActorBuildError(RuntimeError):
     """The actor could not build its worker; raised by its ``info()``, naming where it ran."""
 
@@ -236,16 +229,10 @@ class EstimatorActor:
           version: the learner version theta belongs to.
 
         Returns:
-          The estimate with numpy leaves (``phases`` included) and float metrics.
+          The worker's estimate, numpy leaves and float metrics as it made
+          them (Ray ships numpy arrays faster than ``jax.Array`` leaves).
         """
-        est = self._worker.compute(theta, version)
-        return est._replace(
-            grad=_to_host(est.grad),
-            mean_loss=float(est.mean_loss),
-            weight=float(est.weight),
-            metrics={k: float(v) for k, v in est.metrics.items()},
-            phases=None if est.phases is None else np.asarray(est.phases),
-        )
+        return self._worker.compute(theta, version)
 
     def export_state(self) -> dict[str, Any] | None:
         """The worker's :meth:`~popmeta.actors.worker.EstimatorWorker.export_state`.

@@ -3,9 +3,9 @@
 from popmeta.core.estimators.antithetic import AntitheticEstimator
 from popmeta.core.estimators.base import FAMILY_LOSS_METRIC, GradientEstimator
 from popmeta.core.estimators.es import FullES, TruncatedES
+from popmeta.core.estimators.estimator_out import EstimatorOut
 from popmeta.core.estimators.nres import NoiseReuseES
 from popmeta.core.estimators.pes import TruncatedPES
-from popmeta.core.estimators.protocol import Estimator, EstimatorOut
 from popmeta.core.estimators.runners import (
     TASK_AXIS,
     EstimateRunner,
@@ -22,7 +22,6 @@ __all__ = [
     "TASK_AXIS",
     "AntitheticEstimator",
     "EstimateRunner",
-    "Estimator",
     "EstimatorOut",
     "FullES",
     "GradientEstimator",

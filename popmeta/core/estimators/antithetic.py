@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from popmeta.core.estimators.base import GradientEstimator, family_loss_metrics, task_mean
-from popmeta.core.estimators.protocol import EstimatorOut
+from popmeta.core.estimators.estimator_out import EstimatorOut
 from popmeta.core.tree_utils import select_tasks
 from popmeta.core.truncated_step import TruncatedStep
 

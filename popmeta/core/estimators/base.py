@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from popmeta.core.estimators.protocol import EstimatorOut
+from popmeta.core.estimators.estimator_out import EstimatorOut
 from popmeta.core.estimators.runners import SingleDeviceRunner
 from popmeta.core.estimators.truncations import (
     accumulate,

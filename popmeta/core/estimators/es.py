@@ -60,10 +60,6 @@ class FullES(AntitheticEstimator):
         del theta, key, outer_state
         return ()
 
-    def state_task_axes(self, state):
-        """No state: every call starts fresh episodes."""
-        return ()
-
     def estimate(self, theta, state, key, data=None, outer_state=None):
         del state
         key_init, key_noise, key_unroll = jax.random.split(key, 3)
@@ -105,12 +101,6 @@ class TruncatedES(AntitheticEstimator):
         return TruncatedESWorkerState(
             self.truncated_step.init_step_state(theta, outer_state, key),
             jnp.zeros((num_tasks,), bool),
-        )
-
-    def state_task_axes(self, state):
-        return TruncatedESWorkerState(
-            unroll_state=jax.tree_util.tree_map(lambda _: 0, state.unroll_state),
-            starts_with_reset=0,
         )
 
     def estimate(self, theta, state, key, data=None, outer_state=None):

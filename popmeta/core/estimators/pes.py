@@ -42,14 +42,6 @@ class TruncatedPES(AntitheticEstimator):
             starts_with_reset=jnp.zeros((num_tasks,), bool),
         )
 
-    def state_task_axes(self, state):
-        """Member states lead with the (+, -) axis, so their task axis is 1."""
-        return PESWorkerState(
-            member_states=jax.tree_util.tree_map(lambda _: 1, state.member_states),
-            accumulator=jax.tree_util.tree_map(lambda _: 0, state.accumulator),
-            starts_with_reset=0,
-        )
-
     def estimate(self, theta, state, key, data=None, outer_state=None):
         key_noise, key_unroll = jax.random.split(key)
         noise = self._noise(key_noise, theta)

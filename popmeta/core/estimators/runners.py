@@ -14,12 +14,12 @@ several truncations per call work: docs/design.md, "Contracts".
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from popmeta.core.estimators.protocol import Estimator, EstimatorOut
+from popmeta.core.estimators.estimator_out import EstimatorOut
 from popmeta.core.estimators.truncations import (
     accumulate,
     check_num_truncations,
@@ -27,6 +27,9 @@ from popmeta.core.estimators.truncations import (
     weighted_means,
     zero_sums,
 )
+
+if TYPE_CHECKING:  # the estimator builds its runner (GradientEstimator.runner)
+    from popmeta.core.estimators.base import GradientEstimator
 
 __all__ = [
     "TASK_AXIS",
@@ -54,7 +57,7 @@ class EstimateRunner(Protocol):
       num_devices: devices the estimator's tasks are spread over (1 unsharded).
     """
 
-    estimator: Estimator
+    estimator: GradientEstimator
 
     @property
     def num_devices(self) -> int:
@@ -92,7 +95,7 @@ class EstimateRunner(Protocol):
         ...
 
 
-def _estimate_k(estimator: Estimator, num_truncations: int) -> CompiledEstimate:
+def _estimate_k(estimator: GradientEstimator, num_truncations: int) -> CompiledEstimate:
     """``estimate_many`` with K bound, taking the same arguments as ``estimate``."""
 
     def estimate_k(theta, state, key, data=None, outer_state=None):
@@ -101,7 +104,7 @@ def _estimate_k(estimator: Estimator, num_truncations: int) -> CompiledEstimate:
     return estimate_k
 
 
-def _estimate_or_many(estimator: Estimator, num_truncations: int) -> CompiledEstimate:
+def _estimate_or_many(estimator: GradientEstimator, num_truncations: int) -> CompiledEstimate:
     """What to compile for K truncations: ``estimate`` itself for K = 1 (no scan)."""
     return estimator.estimate if num_truncations == 1 else _estimate_k(estimator, num_truncations)
 
@@ -116,7 +119,7 @@ class _CompiledRunner:
     Subclasses say how to compile (``_compile``); the cache and the call are here.
     """
 
-    estimator: Estimator
+    estimator: GradientEstimator
     _estimate_fns: dict[int, CompiledEstimate]
 
     def _compile(self, num_truncations: int) -> CompiledEstimate:
@@ -185,7 +188,7 @@ class SingleDeviceRunner(_CompiledRunner):
       estimator: the estimator to run.
     """
 
-    def __init__(self, estimator: Estimator):
+    def __init__(self, estimator: GradientEstimator):
         self.estimator = estimator
         self._init_fn: Any = None
         self._estimate_fns: dict[int, CompiledEstimate] = {}
@@ -246,7 +249,7 @@ class ShardedRunner(_CompiledRunner):
 
     def __init__(
         self,
-        estimator: Estimator,
+        estimator: GradientEstimator,
         devices: Sequence[jax.Device],
         axis_name: str = TASK_AXIS,
     ):
@@ -321,7 +324,7 @@ class ShardedRunner(_CompiledRunner):
 
 
 def make_runner(
-    estimator: Estimator, devices: Sequence[jax.Device] | None = None
+    estimator: GradientEstimator, devices: Sequence[jax.Device] | None = None
 ) -> EstimateRunner:
     """The runner for ``estimator`` on ``devices``.
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from popmeta.core.estimators.base import GradientEstimator, family_loss_metrics, task_mean
-from popmeta.core.estimators.protocol import EstimatorOut
+from popmeta.core.estimators.estimator_out import EstimatorOut
 from popmeta.core.truncated_step import TruncatedStep
 
 __all__ = ["TruncatedGrad", "TruncatedGradWorkerState"]
@@ -36,9 +36,6 @@ class TruncatedGrad(GradientEstimator):
         return TruncatedGradWorkerState(
             self.truncated_step.init_step_state(theta, outer_state, key)
         )
-
-    def state_task_axes(self, state):
-        return TruncatedGradWorkerState(jax.tree_util.tree_map(lambda _: 0, state.unroll_state))
 
     def estimate(self, theta, state, key, data=None, outer_state=None):
         keys = jax.random.split(key, self.trunc_length)
