@@ -150,8 +150,8 @@ def _report_file(text: str) -> str:
 
 
 def _train(config, from_checkpoint: str | None) -> int:
+    from popmeta.population.lifecycle import ActorStartError, PopulationLostError
     from popmeta.population.placement import PlacementError
-    from popmeta.population.supervisor import ActorStartError, PopulationLostError
     from popmeta.run_dir import RunDirectoryError
     from popmeta.run_loop import DivergedError, RunWriteError, train
 

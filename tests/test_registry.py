@@ -78,7 +78,10 @@ def test_every_section_names_its_kind_with_kind_and_takes_exactly_the_registered
 
 
 def test_the_schema_names_no_kind():
-    schema = (Path(__file__).resolve().parents[1] / "popmeta" / "config" / "schema.py").read_text()
+    config = Path(__file__).resolve().parents[1] / "popmeta" / "config"
+    schema = "".join(
+        (config / name).read_text() for name in ("schema.py", "kind_sections.py", "sections.py")
+    )
     for registry in REGISTRIES:
         for name in registry.names:
             default = {"curved_quadratic", "mlp", "constant", "pes", "adam"}

@@ -1,5 +1,6 @@
-"""The typed run configuration: values (:mod:`.values`), schema and rules (:mod:`.schema`),
-reading (:mod:`.loading`).
+"""The typed run configuration: values (:mod:`.values`), sections (:mod:`.kind_sections`,
+:mod:`.sections`), the whole config and its rules (:mod:`.schema`), reading
+(:mod:`.loading`, :mod:`.reading`, :mod:`.overrides`, :mod:`.renamed`).
 
 Example::
 
@@ -9,28 +10,26 @@ Example::
     cfg.estimator.std  # 0.02
 """
 
+from popmeta.config.kind_sections import (
+    KIND_SECTIONS,
+    EstimatorConfig,
+    KindSection,
+    LearnedOptimizerConfig,
+    MixtureMember,
+    OuterOptimizerConfig,
+    TaskConfig,
+    TruncationConfig,
+)
 from popmeta.config.loading import (
     config_from_dict,
     config_to_dict,
     config_to_yaml,
     load_config,
     module_dirs,
-    upgrade_recorded,
 )
-from popmeta.config.schema import (
-    KIND_SECTIONS,
-    Config,
-    EstimatorConfig,
-    EvalConfig,
-    KindSection,
-    LearnedOptimizerConfig,
-    MixtureMember,
-    OuterOptimizerConfig,
-    PopulationConfig,
-    TaskConfig,
-    TrainConfig,
-    TruncationConfig,
-)
+from popmeta.config.renamed import upgrade_recorded
+from popmeta.config.schema import Config
+from popmeta.config.sections import EvalConfig, PopulationConfig, TrainConfig
 from popmeta.config.values import ConfigError
 
 __all__ = [

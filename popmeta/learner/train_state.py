@@ -1,22 +1,13 @@
-"""The learner's state and its jitted optax step.
+"""The learner's state and its jitted optax step: pure, pytrees in and out, no Ray, no I/O.
 
-Everything here is pure: pytrees in, pytrees out, no Ray and no I/O. The shell
-(the population, the run loop, the CLI) owns the side effects.
-
-Three step builders share one update path:
-
-* :func:`build_train_step_fn` differentiates a loss, for ordinary
-  gradient-based training in one process.
-* :func:`build_apply_estimate_fn` consumes a gradient estimate that was
-  computed elsewhere (an aggregated ES/PES/NRES estimate of theta) and only
-  applies the optimizer.
-* :func:`build_apply_estimates_fn` is the learner's step: it takes a round of
-  estimates as they come out of the object store, and averages, checks and
-  applies them in one XLA program.
-
-All can donate the incoming state's buffers and can be given shardings for the
-state (and batch), in which case XLA keeps params and optimizer state laid out
-as requested across steps.
+Three step builders share one update path: :func:`build_train_step_fn`
+differentiates a loss (ordinary training in one process);
+:func:`build_apply_estimate_fn` applies a gradient estimate computed
+elsewhere; :func:`build_apply_estimates_fn` is the learner's step, which
+averages, checks and applies a round of estimates as they come out of the
+object store in one XLA program. All can donate the incoming state's buffers
+and take shardings for the state (and batch), so XLA keeps params and
+optimizer state laid out as requested across steps.
 """
 
 from __future__ import annotations
@@ -294,6 +285,49 @@ def _weighted_sum(grads: Sequence[PyTree], weights: jax.Array) -> PyTree:
     return jax.tree.map(leaf_sum, *grads)
 
 
+def _applied_or_unchanged(
+    applied: jax.Array, candidate: TrainState, state: TrainState
+) -> TrainState:
+    """``candidate`` where ``applied``, else ``state`` (its step, params and optimizer state)."""
+
+    def pick(new: PyTree, old: PyTree) -> PyTree:
+        return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+    return state.replace(
+        step=pick(candidate.step, state.step),
+        params=pick(candidate.params, state.params),
+        opt_state=pick(candidate.opt_state, state.opt_state),
+    )
+
+
+def _jit_per_estimate_count(
+    step: ApplyEstimatesFn, donate: bool, train_state_shardings: TrainState | jax.sharding.Sharding
+) -> ApplyEstimatesFn:
+    """``step`` jitted with shardings, once for each number of estimates.
+
+    jit's ``in_shardings`` follow the arguments' structure, which includes
+    the number of estimates; every estimate is laid out like ``params``.
+    """
+    grad_shardings = _params_shardings(train_state_shardings)
+    steps_by_count: dict[int, Callable[..., Any]] = {}
+
+    def sharded_step(
+        state: TrainState, grads: Sequence[PyTree], weights: Any
+    ) -> tuple[TrainState, Metrics, jax.Array]:
+        grads = tuple(grads)
+        if len(grads) not in steps_by_count:
+            steps_by_count[len(grads)] = _maybe_jit(
+                step,
+                jit=True,
+                donate=donate,
+                in_shardings=(train_state_shardings, (grad_shardings,) * len(grads), None),
+                out_shardings=(train_state_shardings, None, None),
+            )
+        return steps_by_count[len(grads)](state, grads, weights)
+
+    return sharded_step
+
+
 def build_apply_estimates_fn(
     jit: bool = True,
     donate_params_and_state: bool = False,
@@ -312,11 +346,10 @@ def build_apply_estimates_fn(
     and the caller can find the estimate at fault and call again without it.
 
     ``grads`` may be the host numpy arrays that ``ray.get`` returns: a jitted
-    call reads aligned host arrays where they lie on CPU (no copy; measured:
-    summing eight 16 MB arrays took as long from the object store's arrays as
-    from device arrays), and the sum is never written out on its own. The
-    program is compiled once per number of estimates; ``weights`` (a float
-    vector, e.g. normalised to sum to 1) is an argument, not a constant.
+    call reads aligned host arrays where they lie on CPU (no copy), and the
+    sum is never written out on its own. The program is compiled once per
+    number of estimates; ``weights`` (a float vector, e.g. normalised to sum
+    to 1) is an argument, not a constant.
 
     Args: as for :func:`build_apply_estimate_fn`; every estimate is given
     the shardings of ``params``, and none is donated.
@@ -336,16 +369,7 @@ def build_apply_estimates_fn(
         # The norm the metrics (and clipping) compute anyway is finite only if
         # every element of the sum is; a separate check would read it again.
         applied = jnp.isfinite(metrics["grad_norm"])
-
-        def keep_if_not_applied(new: PyTree, old: PyTree) -> PyTree:
-            return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
-
-        new_state = state.replace(
-            step=keep_if_not_applied(candidate.step, state.step),
-            params=keep_if_not_applied(candidate.params, state.params),
-            opt_state=keep_if_not_applied(candidate.opt_state, state.opt_state),
-        )
-        return new_state, metrics, applied
+        return _applied_or_unchanged(applied, candidate, state), metrics, applied
 
     if train_state_shardings is None or not jit:
         return _maybe_jit(
@@ -355,26 +379,7 @@ def build_apply_estimates_fn(
             in_shardings=None,
             out_shardings=None,
         )
-    grad_shardings = _params_shardings(train_state_shardings)
-    # jit's in_shardings follow the arguments' structure, which includes the
-    # number of estimates: one jitted step per count.
-    steps_by_count: dict[int, Callable[..., Any]] = {}
-
-    def sharded_step(
-        state: TrainState, grads: Sequence[PyTree], weights: Any
-    ) -> tuple[TrainState, Metrics, jax.Array]:
-        grads = tuple(grads)
-        if len(grads) not in steps_by_count:
-            steps_by_count[len(grads)] = _maybe_jit(
-                step,
-                jit=True,
-                donate=donate_params_and_state,
-                in_shardings=(train_state_shardings, (grad_shardings,) * len(grads), None),
-                out_shardings=(train_state_shardings, None, None),
-            )
-        return steps_by_count[len(grads)](state, grads, weights)
-
-    return sharded_step
+    return _jit_per_estimate_count(step, donate_params_and_state, train_state_shardings)
 
 
 def make_outer_optimizer(

@@ -1,105 +1,36 @@
-"""A supervisor for a set of Ray actors: spawning, readiness, calls, deadlines, replacement.
+"""A supervisor for a set of Ray actors: calls, deadlines, replacement of the lost.
 
-:class:`ActorSupervisor` owns one actor per rank and knows nothing about what
-the actors compute: callers submit calls with a tag of their choosing and get
-:class:`Reply` records (rank, tag, value) back in completion order. An actor
-is *ready* once its ``info()``, queued right after its constructor, has
-answered. An actor that dies (killed, its node lost), while starting or at
-work, or that stays silent past its deadline, is replaced; a constructor that
-raises stops everything (:class:`ActorStartError`), since a new actor would
-raise again; a rank replaced ``max_actor_restarts`` times in a row without a
-reply (a crash loop) stops everything too (:class:`PopulationLostError`).
-Deadlines follow the measured call times (:meth:`ActorSupervisor.timeout_for`);
-the rules, and what Ray does on failures, are in ``docs/ray.md``.
+:class:`ActorSupervisor` offers a few verbs over one actor per rank and knows
+nothing of what the actors compute: callers submit calls with a tag of their
+choosing and get :class:`Reply` records (rank, tag, value) back in completion
+order, or call every actor at once, or call them through a Ray compiled graph
+(:mod:`popmeta.population.compiled_graph`). An actor that dies, or stays
+silent past its deadline (:mod:`popmeta.population.deadlines`), is replaced
+by :mod:`popmeta.population.lifecycle`, which spawns, places and retires the
+actors. What Ray does on failures is in ``docs/ray.md``.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import copy
-import dataclasses
 import logging
-import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import ray
-import ray.util
-from ray.dag import InputNode, MultiOutputNode
-from ray.exceptions import (
-    ActorUnavailableError,
-    GetTimeoutError,
-    RayActorError,
-    RayChannelError,
-    RayChannelTimeoutError,
-    RayError,
-    RayTaskError,
-)
-from ray.util import scheduling_strategies as strategies
-from ray.util.placement_group import PlacementGroup
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
 from popmeta.config import PopulationConfig
-from popmeta.population import placement as plans
-from popmeta.population.placement import ActorPlacement, NodeSnapshot
+from popmeta.population.compiled_graph import CompiledGraph, GraphFailed
+from popmeta.population.deadlines import CallDeadlines
+from popmeta.population.lifecycle import ActorArgs, ActorLifecycle, ActorSlot
 
-__all__ = ["ActorArgs", "ActorStartError", "ActorSupervisor", "PopulationLostError", "Reply"]
+__all__ = ["ActorSupervisor", "Reply"]
 
 log = logging.getLogger("popmeta")
 
 #: Pause after an ActorUnavailableError, so that the caller's retry does not hammer a blip.
 UNAVAILABLE_BACKOFF_S = 0.05
-
-#: Reply intervals the call deadlines are sized from: the population's last ones.
-TIMED_CALLS = 64
-#: Timed replies before deadlines follow them; until then they follow the actors' starts.
-MIN_TIMED_CALLS = 8
-
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-class ActorStartError(RuntimeError):
-    """An actor's constructor (or its ``info()``) raised: another actor would raise again.
-
-    Attributes:
-      rank: the actor's rank.
-      restart: its restart number.
-      cause: the exception's last line, e.g. ``ModuleNotFoundError: No module named 'x'``.
-      details: the actor's whole traceback, as Ray reported it.
-    """
-
-    def __init__(self, rank: int, restart: int, cause: str, details: str):
-        self.rank, self.restart, self.cause, self.details = rank, restart, cause, details
-        super().__init__(f"actor {rank} (restart {restart}) could not start: {cause}")
-
-
-class PopulationLostError(RuntimeError):
-    """The actors cannot be kept up: not placed in time, a crash loop, or no node left."""
-
-
-def _start_failure(actor_rank: int, restart: int, err: BaseException) -> ActorStartError | None:
-    """The :class:`ActorStartError` behind ``err`` from an actor's ``info()``, or None (a death).
-
-    An actor whose build failed may say so from ``info()``: Ray raises a
-    :class:`RayTaskError` whose cause's message is taken as the whole cause.
-    A constructor that raised makes Ray report the actor dead with
-    ``actor_init_failed`` and the traceback as text, whose last line names it.
-    """
-    if isinstance(err, RayTaskError):
-        details = _ANSI_ESCAPE.sub("", str(err))
-        cause = err.cause if isinstance(err.cause, BaseException) else err
-        return ActorStartError(actor_rank, restart, str(cause) or type(cause).__name__, details)
-    if isinstance(err, RayActorError) and err.actor_init_failed:
-        details = _ANSI_ESCAPE.sub("", str(err))
-        lines = [line.strip() for line in details.splitlines() if line.strip()]
-        return ActorStartError(actor_rank, restart, lines[-1] if lines else details, details)
-    return None
-
-
-#: Builds an actor's constructor arguments from its rank, restart number and
-#: core slots (None: unpinned).
-ActorArgs = Callable[[int, int, tuple[int, ...] | None], Sequence[Any]]
 
 
 class Reply(NamedTuple):
@@ -114,41 +45,6 @@ class _Call(NamedTuple):
     rank: int
     restart: int
     tag: Any
-
-
-@dataclasses.dataclass
-class _Actor:
-    """The actor now serving one rank, and its call bookkeeping."""
-
-    placement: ActorPlacement
-    restart: int
-    handle: Any = None
-    info_ref: Any = None
-    info: dict[str, Any] | None = None
-    in_flight: int = 0
-    last_progress: float = 0.0
-    unavailable_since: float | None = None
-    spawned_at: float = 0.0
-    # Replacements of this rank since its last reply: a crash loop once it
-    # reaches max_actor_restarts.
-    losses_in_a_row: int = 0
-    warned: bool = False
-
-    @property
-    def rank(self) -> int:
-        return self.placement.rank
-
-    @property
-    def ready(self) -> bool:
-        return self.info is not None
-
-    @property
-    def silent_since(self) -> float:
-        return self.last_progress if self.unavailable_since is None else self.unavailable_since
-
-
-def _nodes() -> list[NodeSnapshot]:
-    return [NodeSnapshot.from_ray(node) for node in ray.nodes()]
 
 
 class ActorSupervisor:
@@ -170,7 +66,8 @@ class ActorSupervisor:
       PopulationLostError: the actors could not be placed or started within
         ``call_timeout_s``, or a rank kept dying while it started.
       PlacementError: the cluster cannot host the population as configured.
-    The actors already started are killed.
+    The actors already started are killed. :meth:`next_reply` and
+    :meth:`call_compiled` raise the first two too (:mod:`~popmeta.population.lifecycle`).
     """
 
     def __init__(
@@ -181,24 +78,24 @@ class ActorSupervisor:
         compiled_method: str | None = None,
         runtime_env: dict[str, Any] | None = None,
     ):
-        self._actor_class = actor_class
-        self._actor_args = actor_args
         self._pc = population
-        self._compiled_method = compiled_method
-        self._runtime_env = runtime_env
-        self._graph: Any = None
-        self._graph_members: tuple[tuple[int, int], ...] = ()  # (rank, restart) of each
-        self._actors: dict[int, _Actor] = {}
+        self._graph = CompiledGraph(compiled_method) if compiled_method is not None else None
+        self._deadlines = CallDeadlines(
+            population.call_timeout_s, population.min_call_timeout_s, population.call_timeout_factor
+        )
+        self._lifecycle = ActorLifecycle(
+            actor_class, actor_args, population, runtime_env, self._deadlines, self._drop_calls
+        )
+        #: rank -> the actor serving it: the lifecycle's, which replaces and retires them.
+        self._actors = self._lifecycle.slots
         self._calls: dict[Any, _Call] = {}  # ObjectRef -> call, in submission order
-        self._pg: PlacementGroup | None = None
-        self._strategy = "default"
-        self._num_restarts = 0
         self._num_lost_calls = 0
-        self._call_seconds: collections.deque[float] = collections.deque(maxlen=TIMED_CALLS)
-        self._slowest_start: float | None = None  # spawn to ready, seconds
         self._closed = False
         try:
-            self._start()
+            self._lifecycle.start()
+            # Replacements of actors that died while starting (a lost node, a kill).
+            while len(self.ready_ranks) < len(self._actors):
+                self.next_reply()
         except BaseException:
             self.close()
             raise
@@ -218,12 +115,12 @@ class ActorSupervisor:
     @property
     def compiled_method(self) -> str | None:
         """The method :meth:`call_compiled` calls; None: no compiled calls."""
-        return self._compiled_method
+        return None if self._graph is None else self._graph.method
 
     @property
     def num_restarts(self) -> int:
         """Actors replaced so far."""
-        return self._num_restarts
+        return self._lifecycle.num_restarts
 
     @property
     def num_lost_calls(self) -> int:
@@ -231,26 +128,8 @@ class ActorSupervisor:
         return self._num_lost_calls
 
     def timeout_for(self, actor_is_ready: bool = True) -> float:
-        """How long a busy actor may stay silent before it is lost.
-
-        ``call_timeout_factor`` times the slowest of the population's last
-        :data:`TIMED_CALLS` reply intervals (the time from a call's start, or
-        the actor's previous reply, to its reply), at least
-        ``min_call_timeout_s`` and at most ``call_timeout_s``. Before
-        :data:`MIN_TIMED_CALLS` replies the slowest actor start (spawn to
-        ready, which ran one estimate and compiled it) stands in for the
-        calls. For an actor that is still starting, ``call_timeout_s``.
-        """
-        pc = self._pc
-        if len(self._call_seconds) >= MIN_TIMED_CALLS:
-            slowest = max(self._call_seconds)
-        elif self._slowest_start is not None:
-            slowest = self._slowest_start
-        else:
-            return pc.call_timeout_s
-        if not actor_is_ready:
-            return pc.call_timeout_s
-        return min(pc.call_timeout_s, max(pc.min_call_timeout_s, pc.call_timeout_factor * slowest))
+        """How long a busy actor may stay silent before it is lost (:class:`CallDeadlines`)."""
+        return self._deadlines.timeout_for(actor_is_ready)
 
     def in_flight(self, rank: int) -> int:
         """Calls submitted to ``rank``'s current actor and not yet returned."""
@@ -280,7 +159,9 @@ class ActorSupervisor:
         """
         for actor in [a for a in self._actors.values() if not a.ready]:
             # .get: replacing one actor may retire another's rank meanwhile.
-            if self._actors.get(actor.rank) is actor and not self._info(actor, wait=False):
+            if self._actors.get(actor.rank) is actor and not self._lifecycle.read_info(
+                actor, wait=False
+            ):
                 self._replace_if_overdue(actor)
 
     def next_reply(self) -> Reply | None:
@@ -299,29 +180,11 @@ class ActorSupervisor:
             times in a row without a reply, or the last rank of a one-per-node
             population was retired.
         """
-        while True:
-            starting = {a.info_ref: a for a in self._actors.values() if not a.ready}
-            if not self._calls and not starting:
-                return None
-            watched = [a for a in self._actors.values() if a.in_flight > 0 or not a.ready]
-            now = time.monotonic()
-            # Wake for the first deadline, or for the first warning due before it.
-            alarms = [self._deadline(a) for a in watched]
-            alarms += [self._warn_at(a) for a in watched if a.ready and not a.warned]
-            until = min(alarms, default=now + self._pc.call_timeout_s)
-            refs = [*self._calls, *starting]
-            ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, until - now))
-            if ready:
-                break
-            serving = [(a.rank, a.restart) for a in watched]
-            for actor in watched:
-                self._warn_if_silent(actor)
-                self._replace_if_overdue(actor)
-            if serving != [(a.rank, a.restart) for a in watched if a.rank in self._actors]:
-                return None  # an actor was replaced (or its rank retired)
-        ref = ready[0]
+        ref, starting = self._wait_for_event()
+        if ref is None:
+            return None
         if ref in starting:
-            self._info(starting[ref], wait=False)
+            self._lifecycle.read_info(starting[ref], wait=False)
             return None
         call = self._calls.pop(ref)
         actor = self._actors.get(call.rank)
@@ -339,7 +202,7 @@ class ActorSupervisor:
             return None
         except RayActorError as err:
             self._num_lost_calls += 1
-            self._replace(actor, repr(err))
+            self._lifecycle.replace(actor, repr(err))
             return None
         self._progressed(actor, timed=True)
         return Reply(call.rank, call.tag, value)
@@ -357,10 +220,6 @@ class ActorSupervisor:
         ready actor, an actor that raises, dies or does not answer in time is
         left out with the reason; a lost actor is handled (replaced) by the
         next tagged call, as always.
-
-        Args:
-          method: the actor method.
-          args: rank -> the call's arguments.
 
         Returns:
           ``(rank -> returned value, rank -> why there is none)``.
@@ -400,24 +259,17 @@ class ActorSupervisor:
 
         Only ready actors without tagged calls in flight take part; the graph
         is rebuilt when they differ from its members. Waits up to
-        ``call_timeout_s`` from the execution's start. A failure tears the
-        graph down and leaves every member without a reply out; the graph's
-        error does not say which member failed (every reply of the execution
-        raises it). So after an actor's death the members are left to the
-        caller's tagged calls, which find and replace the dead one; after the
-        wait ran out every member without a reply is lost and replaced (a
-        hung actor would also keep the graph's teardown waiting for ever).
-        An exception raised by the method itself propagates, as from a
-        tagged call.
-
-        Args are passed by value through the graph's shared-memory channels
-        (an ObjectRef would reach the method unresolved).
+        :meth:`timeout_for` from the execution's start. After a member's death
+        the members without a reply are left to the caller's tagged calls,
+        which find and replace the dead one; after the wait ran out every
+        member without a reply is lost and replaced (a hung actor would also
+        keep the graph's teardown waiting for ever). An exception raised by
+        the method itself propagates, as from a tagged call.
 
         Returns:
-          rank -> returned value, for the ranks that answered: a copy, which
-          does not hold on to the channel it came through.
+          rank -> returned value (a copy), for the ranks that answered.
         """
-        assert self._compiled_method is not None, "no compiled_method was given"
+        assert self._graph is not None, "no compiled_method was given"
         actors = [
             actor
             for rank in ranks
@@ -425,42 +277,31 @@ class ActorSupervisor:
         ]
         if not actors:
             return {}
-        members = tuple((actor.rank, actor.restart) for actor in actors)
         timeout_s = self.timeout_for()
         deadline = time.monotonic() + timeout_s
         values: dict[int, Any] = {}
         try:
-            if members != self._graph_members:
-                self._teardown_graph()
-                self._graph = self._compile([actor.handle for actor in actors], len(args))
-                self._graph_members = members
+            self._graph.build([((a.rank, a.restart), a.handle) for a in actors], len(args))
             started = time.monotonic()
             for actor in actors:
                 actor.last_progress, actor.warned = started, False
-            refs = self._graph.execute(*args)
-            for actor, ref in zip(actors, refs, strict=True):
-                value = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-                # A numpy array read from a channel is a view of the channel's
-                # buffer, which Ray releases when the view is freed; a view that
-                # outlives the graph (XLA, given it as an argument, frees it
-                # later) makes that release touch a torn-down channel, which
-                # crashed the driver (SIGSEGV in PlasmaObjectHeader). A copy
-                # owns its memory.
-                values[actor.rank] = copy.deepcopy(value)
+            for actor, value in zip(actors, self._graph.execute(args, deadline), strict=True):
+                values[actor.rank] = value
                 self._progressed(actor, timed=True)
-        except (RayActorError, RayChannelError) as err:
-            # RayTaskError (the method raised) is neither, and propagates.
-            if not isinstance(err, RayChannelTimeoutError):
-                log.info("compiled graph failed (%r); its members are called anew", err)
-                self._teardown_graph()
+        except GraphFailed as failure:
+            if not failure.timed_out:
+                log.info("compiled graph failed (%s); its members are called anew", failure)
+                self._graph.teardown()
                 return values
             silent = [actor for actor in actors if actor.rank not in values]
             for actor in silent:
-                self._kill(actor)  # first: the teardown waits for every member's graph thread
-            self._teardown_graph()
+                self._lifecycle.kill(
+                    actor
+                )  # first: the teardown waits for every member's graph thread
+            self._graph.teardown()
             self._num_lost_calls += len(silent)
             for actor in silent:
-                self._replace(
+                self._lifecycle.replace(
                     actor,
                     f"no reply through the compiled graph within {timeout_s:.3g}s "
                     "(the graph does not say which member hung: each is replaced)",
@@ -474,7 +315,11 @@ class ActorSupervisor:
         yet; an actor that fails to answer is left out (and replaced).
         """
         # .get: an actor lost while starting may retire its rank meanwhile.
-        infos = (self._info(a, wait=True) for r in self.ranks if (a := self._actors.get(r)))
+        infos = (
+            self._lifecycle.read_info(a, wait=True)
+            for r in self.ranks
+            if (a := self._actors.get(r))
+        )
         return [info for info in infos if info is not None]
 
     def close(self) -> None:
@@ -483,152 +328,58 @@ class ActorSupervisor:
             return
         self._closed = True
         self._calls.clear()
-        if ray.is_initialized():
+        if self._graph is not None and ray.is_initialized():
             # Before the kills: a graph over live actors shuts down cleanly.
-            self._teardown_graph()
-            for actor in self._actors.values():
-                self._kill(actor)
-            if self._pg is not None:
-                # Failing means Ray already dropped it: nothing left to release.
-                with contextlib.suppress(Exception):
-                    ray.util.remove_placement_group(self._pg)
-        self._actors.clear()
-        self._pg = None
+            self._graph.teardown()
+        self._lifecycle.close()
 
-    # ------------------------------------------------------------------ start
+    # ------------------------------------------------------------------ waiting
 
-    def _start(self) -> None:
-        pc = self._pc
-        nodes = _nodes()
-        plan = plans.plan_placement(pc, nodes)
-        shortfall = plans.capacity_shortfall(pc, nodes, plan.request)
-        if shortfall is not None:
-            # Not fatal: an autoscaler may add nodes. But say so now, not after the timeout.
-            log.warning("%s", shortfall)
-        self._strategy = plan.strategy
-        placements = list(plan.actors)
-        if plan.bundles:
-            self._pg = ray.util.placement_group([dict(b) for b in plan.bundles], strategy="PACK")
-            try:
-                ray.get(self._pg.ready(), timeout=pc.call_timeout_s)
-            except GetTimeoutError:
-                raise PopulationLostError(
-                    f"cannot place {len(placements)} actors of {dict(plan.request)} within "
-                    f"population.call_timeout_s={pc.call_timeout_s}s; cluster resources: "
-                    f"{ray.cluster_resources()}"
-                ) from None
-            placements = self._with_bundle_nodes(placements)
-        for placement in placements:
-            actor = _Actor(placement, restart=0)
-            self._spawn(actor)
-            self._actors[placement.rank] = actor
-        # They start side by side, within one call_timeout_s for all of them.
-        refs = [actor.info_ref for actor in self._actors.values()]
-        ray.wait(refs, num_returns=len(refs), timeout=pc.call_timeout_s)
-        for actor in list(self._actors.values()):
-            self._info(actor, wait=False, first=True)
-        # Replacements of actors that died while starting (a lost node, a kill).
-        while len(self.ready_ranks) < len(self._actors):
-            self.next_reply()
+    def _wait_for_event(self) -> tuple[Any, dict[Any, ActorSlot]]:
+        """Waits for a reply or a start, replacing actors past their deadline meanwhile.
 
-    def _with_bundle_nodes(self, placements: list[ActorPlacement]) -> list[ActorPlacement]:
-        assert self._pg is not None
-        table = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {})
-        return plans.assign_bundle_pins(placements, table, _nodes(), self._pc.num_cpus)
-
-    def _spawn(self, actor: _Actor) -> None:
-        pc = self._pc
-        placement = actor.placement
-        options: dict[str, Any] = {
-            "num_cpus": pc.num_cpus,
-            "num_gpus": pc.num_gpus,
-            "resources": dict(pc.resources),
-            "runtime_env": self._runtime_env or None,
-            "max_restarts": 0,
-            "max_task_retries": 0,
-        }
-        if self._strategy == "node_affinity":
-            options["scheduling_strategy"] = strategies.NodeAffinitySchedulingStrategy(
-                placement.node_id, soft=False
-            )
-        elif self._strategy == "placement_group" and placement.bundle is not None:
-            options["scheduling_strategy"] = strategies.PlacementGroupSchedulingStrategy(
-                self._pg, placement_group_bundle_index=placement.bundle
-            )
-        args = self._actor_args(placement.rank, actor.restart, placement.pin)
-        actor.handle = self._actor_class.options(**options).remote(*args)
-        actor.info_ref = actor.handle.info.remote()
-        actor.info = None
-        actor.in_flight = 0
-        actor.last_progress = actor.spawned_at = time.monotonic()
-        actor.unavailable_since = None
-
-    def _info(self, actor: _Actor, wait: bool, first: bool = False) -> dict[str, Any] | None:
-        """The actor's ``info()``, which makes it ready; None if it has not answered.
-
-        An actor that died while starting is replaced; one whose constructor
-        or ``info()`` raised raises :class:`ActorStartError`. At the
-        population's start (``first``) not answering within ``call_timeout_s``
-        raises :class:`PopulationLostError`: the cluster lacks what it needs.
+        Returns:
+          ``(ref, starting)``: the ref that is ready, among the calls' and the
+          starting actors' ``info()`` refs (``starting``: info ref -> actor);
+          ref None when nothing is in flight or starting, or an actor was
+          replaced (or its rank retired) while waiting.
         """
-        if actor.info is None:
-            timeout_s = self._pc.call_timeout_s
-            ready, _ = ray.wait([actor.info_ref], timeout=timeout_s if wait else 0)
-            if not ready and first:
-                raise PopulationLostError(
-                    f"actor {actor.rank} did not start within population.call_timeout_s="
-                    f"{timeout_s}s; each actor needs {plans.actor_request(self._pc)}, the "
-                    f"cluster has {ray.cluster_resources()} in all"
-                )
-            if not ready:
-                return None
-            try:
-                info = ray.get(actor.info_ref, timeout=timeout_s)
-            except (RayActorError, RayTaskError) as err:
-                failure = _start_failure(actor.rank, actor.restart, err)
-                if failure is not None:
-                    raise failure from None
-                self._replace(actor, f"lost while starting: {err!r}")
-                return None
-            actor.info = info
-            actor.last_progress = time.monotonic()
-            took = actor.last_progress - actor.spawned_at
-            self._slowest_start = max(took, self._slowest_start or 0.0)
-            if actor.restart:  # a replacement: how long its rank had no actor at work
-                log.info("actor %d (restart %d) ready in %.1fs", actor.rank, actor.restart, took)
-        return actor.info
+        while True:
+            starting = {a.info_ref: a for a in self._actors.values() if not a.ready}
+            if not self._calls and not starting:
+                return None, starting
+            watched = [a for a in self._actors.values() if a.in_flight > 0 or not a.ready]
+            now = time.monotonic()
+            # Wake for the first deadline, or for the first warning due before it.
+            alarms = [self._deadline(a) for a in watched]
+            alarms += [self._warn_at(a) for a in watched if a.ready and not a.warned]
+            until = min(alarms, default=now + self._pc.call_timeout_s)
+            refs = [*self._calls, *starting]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, until - now))
+            if ready:
+                return ready[0], starting
+            serving = [(a.rank, a.restart) for a in watched]
+            for actor in watched:
+                self._warn_if_silent(actor)
+                self._replace_if_overdue(actor)
+            if serving != [(a.rank, a.restart) for a in watched if a.rank in self._actors]:
+                return None, starting
 
-    # ------------------------------------------------------------------ loss
-
-    def _compile(self, handles: Sequence[Any], num_args: int) -> Any:
-        with InputNode() as inputs:
-            args = [inputs[i] for i in range(num_args)]
-            outputs = [getattr(handle, self._compiled_method).bind(*args) for handle in handles]
-            node = MultiOutputNode(outputs)
-        return node.experimental_compile()
-
-    def _teardown_graph(self) -> None:
-        graph, self._graph, self._graph_members = self._graph, None, ()
-        if graph is not None:
-            # Failing means the graph is already shut down: nothing left to release.
-            with contextlib.suppress(Exception):
-                graph.teardown()
-
-    def _progressed(self, actor: _Actor, timed: bool) -> None:
+    def _progressed(self, actor: ActorSlot, timed: bool) -> None:
         """``actor`` answered now; ``timed``: the interval since its last progress was one call."""
         now = time.monotonic()
         if timed:
-            self._call_seconds.append(now - actor.last_progress)
+            self._deadlines.replied(now - actor.last_progress)
         actor.last_progress, actor.unavailable_since = now, None
         actor.losses_in_a_row, actor.warned = 0, False
 
-    def _deadline(self, actor: _Actor) -> float:
+    def _deadline(self, actor: ActorSlot) -> float:
         return actor.silent_since + self.timeout_for(actor.ready)
 
-    def _warn_at(self, actor: _Actor) -> float:
+    def _warn_at(self, actor: ActorSlot) -> float:
         return actor.silent_since + self.timeout_for(actor.ready) / 2
 
-    def _warn_if_silent(self, actor: _Actor) -> None:
+    def _warn_if_silent(self, actor: ActorSlot) -> None:
         """Logs once that a busy actor is halfway to its deadline."""
         now = time.monotonic()
         if actor.ready and not actor.warned and actor.in_flight and now >= self._warn_at(actor):
@@ -640,97 +391,34 @@ class ActorSupervisor:
                 actor.restart,
                 (actor.info or {}).get("pid", "?"),
                 now - actor.silent_since,
-                max(self._call_seconds, default=0.0),
+                self._deadlines.slowest_call,
                 self.timeout_for(),
             )
 
-    def _replace_if_overdue(self, actor: _Actor) -> None:
+    # ------------------------------------------------------------------ loss
+
+    def _replace_if_overdue(self, actor: ActorSlot) -> None:
         """Replaces ``actor`` if it still serves its rank and is past its deadline."""
-        if self._actors.get(actor.rank) is actor and time.monotonic() >= self._deadline(actor):
-            timeout_s = self.timeout_for(actor.ready)
-            if actor.ready:
-                self._replace(
-                    actor,
-                    f"no reply within {timeout_s:.3g}s (population.call_timeout_factor="
-                    f"{self._pc.call_timeout_factor:g} times the slowest recent call, at least "
-                    f"min_call_timeout_s={self._pc.min_call_timeout_s:g}s, at most "
-                    f"call_timeout_s={self._pc.call_timeout_s:g}s)",
-                )
-            else:
-                self._replace(actor, f"no start within population.call_timeout_s={timeout_s:g}s")
-
-    def _kill(self, actor: _Actor) -> None:
-        # Failing means the actor is already gone: nothing left to release.
-        with contextlib.suppress(Exception):
-            if actor.handle is not None:
-                ray.kill(actor.handle, no_restart=True)
-
-    def _replace(self, actor: _Actor, reason: str) -> None:
-        """Replaces ``actor`` by a fresh one of its rank with ``restart + 1`` (or retires it)."""
+        if self._actors.get(actor.rank) is not actor or time.monotonic() < self._deadline(actor):
+            return
+        timeout_s = self.timeout_for(actor.ready)
         pc = self._pc
-        # Its calls in flight are lost: their late replies must not count.
+        if actor.ready:
+            self._lifecycle.replace(
+                actor,
+                f"no reply within {timeout_s:.3g}s (population.call_timeout_factor="
+                f"{pc.call_timeout_factor:g} times the slowest recent call, at least "
+                f"min_call_timeout_s={pc.min_call_timeout_s:g}s, at most "
+                f"call_timeout_s={pc.call_timeout_s:g}s)",
+            )
+        else:
+            self._lifecycle.replace(
+                actor, f"no start within population.call_timeout_s={timeout_s:g}s"
+            )
+
+    def _drop_calls(self, actor: ActorSlot) -> None:
+        """``actor`` is lost: its calls in flight are lost too, and their late replies ignored."""
         lost = (actor.rank, actor.restart)
         for ref in [r for r, call in self._calls.items() if (call.rank, call.restart) == lost]:
             del self._calls[ref]
             self._num_lost_calls += 1
-        self._kill(actor)
-        resource = pc.one_actor_per_node_with
-        if resource is not None:
-            node = plans.replacement_node(
-                resource,
-                actor.placement.node_id,
-                [a.placement.node_id for a in self._actors.values() if a is not actor],
-                _nodes(),
-            )
-            if node is None:
-                self._retire(actor, reason)
-                return
-            actor.placement = dataclasses.replace(actor.placement, node_id=node)
-        if actor.losses_in_a_row >= pc.max_actor_restarts:
-            raise PopulationLostError(
-                f"actor {actor.rank} (restart {actor.restart}) was lost ({reason}); its rank "
-                f"was replaced {actor.losses_in_a_row} time(s) in a row without a reply, and "
-                f"population.max_actor_restarts={pc.max_actor_restarts}: giving up. A rank "
-                "that keeps dying points at its node (memory, a crashing library) or at "
-                "the config; see the actors' logs in Ray's session directory "
-                "(/tmp/ray/session_latest/logs on each node)"
-            )
-        actor.losses_in_a_row += 1
-        if actor.placement.bundle is not None:
-            # The bundle may have moved with a lost node: recompute node and cores.
-            live = list(self._actors.values())
-            for other, placement in zip(
-                live, self._with_bundle_nodes([a.placement for a in live]), strict=True
-            ):
-                other.placement = placement
-        old_restart = actor.restart
-        self._num_restarts += 1
-        actor.restart = old_restart + 1
-        self._spawn(actor)
-        log.warning(
-            "actor %d (restart %d) was lost: %s; replaced it with restart %d (%d in this run, "
-            "%d/%d in a row for this rank)",
-            actor.rank,
-            old_restart,
-            reason,
-            actor.restart,
-            self._num_restarts,
-            actor.losses_in_a_row,
-            pc.max_actor_restarts,
-        )
-
-    def _retire(self, actor: _Actor, reason: str) -> None:
-        del self._actors[actor.rank]
-        log.warning(
-            "actor %d was lost with its node %s (%s) and no other node carrying %r is "
-            "free; going on with %d actor(s)",
-            actor.rank,
-            actor.placement.node_id,
-            reason,
-            self._pc.one_actor_per_node_with,
-            len(self._actors),
-        )
-        if not self._actors:
-            raise PopulationLostError(
-                f"every node carrying {self._pc.one_actor_per_node_with!r} is gone: no actor left"
-            )

@@ -32,9 +32,10 @@ from popmeta.experiment import EstimatorSections, initial_theta, learner_start
 from popmeta.learner.checkpoints import restore_latest
 from popmeta.learner.learner import Learner
 from popmeta.population import ray_population
+from popmeta.population.lifecycle import ActorStartError, PopulationLostError
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
-from popmeta.population.supervisor import ActorStartError, ActorSupervisor, PopulationLostError
+from popmeta.population.supervisor import ActorSupervisor
 from popmeta.run_loop import train
 from tests.events import read_scalars
 from tests.population import CALL_TIMEOUT_S, local_population, run_updates, tiny_config, tree_bytes

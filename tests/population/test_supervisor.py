@@ -14,13 +14,9 @@ import pytest
 import ray
 
 from popmeta.config import PopulationConfig
-from popmeta.population.supervisor import (
-    MIN_TIMED_CALLS,
-    ActorStartError,
-    ActorSupervisor,
-    PopulationLostError,
-    Reply,
-)
+from popmeta.population.deadlines import MIN_TIMED_CALLS
+from popmeta.population.lifecycle import ActorStartError, PopulationLostError
+from popmeta.population.supervisor import ActorSupervisor, Reply
 
 pytestmark = pytest.mark.timeout(120)
 
