@@ -94,13 +94,13 @@ def run_one(name: str, seconds: float) -> dict:
     import jax
     import optax
 
-    from popmeta.learner.train_state import TrainState, build_apply_estimate_fn
+    from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
 
     lopt, estimator = _build(name)
     theta = lopt.init(jax.random.key(0))
     flops_per_step = _flops_per_inner_step(name, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
-    apply = build_apply_estimate_fn(donate_params_and_state=True)
+    apply = build_apply_estimates_fn(donate_params_and_state=True)
     worker = estimator.init_worker_state(train_state.params, jax.random.key(2))
 
     lowered = jax.jit(estimator.estimate).lower(train_state.params, worker, jax.random.key(0))
@@ -117,7 +117,7 @@ def run_one(name: str, seconds: float) -> dict:
             train_state.params, worker, call_key(root_key, i)
         )
         worker = out.state
-        train_state, _ = apply(train_state, out.grad)
+        train_state, _, _ = apply(train_state, [out.grad])
 
     for i in range(3):
         one(i)

@@ -56,9 +56,7 @@ from popmeta.core.truncation import (
 )
 from popmeta.learner.train_state import (
     TrainState,
-    build_apply_estimate_fn,
     build_apply_estimates_fn,
-    build_train_step_fn,
     make_outer_optimizer,
 )
 from popmeta.registry import (
@@ -144,9 +142,7 @@ __all__ = [
     "VectorizedLOptTruncatedStep",
     "VectorizedTruncatedStep",
     "as_optax",
-    "build_apply_estimate_fn",
     "build_apply_estimates_fn",
-    "build_train_step_fn",
     "export_optimizer",
     "load_config",
     "load_npz_images_8x8",

@@ -13,22 +13,16 @@ from popmeta.learner.checkpoints import (
     save_checkpoint,
 )
 from popmeta.learner.train_state import (
-    LossFn,
     TrainState,
-    build_apply_estimate_fn,
     build_apply_estimates_fn,
-    build_train_step_fn,
     make_outer_optimizer,
 )
 
 __all__ = [
     "Checkpoint",
     "CheckpointCorruptedError",
-    "LossFn",
     "TrainState",
-    "build_apply_estimate_fn",
     "build_apply_estimates_fn",
-    "build_train_step_fn",
     "checkpoint_path",
     "checkpoint_step",
     "latest_checkpoint",

@@ -1,12 +1,9 @@
 """The learner's state and its jitted optax step: pure, pytrees in and out, no Ray, no I/O.
 
-Three step builders share one update path: :func:`build_train_step_fn`
-differentiates a loss (ordinary training in one process);
-:func:`build_apply_estimate_fn` applies a gradient estimate computed
-elsewhere; :func:`build_apply_estimates_fn` is the learner's step, which
-averages, checks and applies a round of estimates as they come out of the
-object store in one XLA program. All can donate the incoming state's buffers
-and take shardings for the state (and batch), so XLA keeps params and
+:func:`build_apply_estimates_fn` is the learner's step: it averages, checks
+and applies a round of gradient estimates (one or many, as they come out of
+the object store) in one XLA program. It can donate the incoming state's
+buffers and take shardings for the state, so XLA keeps theta and the
 optimizer state laid out as requested across steps.
 """
 
@@ -22,23 +19,11 @@ import optax
 
 from popmeta.registry import OUTER_OPTIMIZERS
 
-__all__ = [
-    "LossFn",
-    "TrainState",
-    "build_apply_estimate_fn",
-    "build_apply_estimates_fn",
-    "build_train_step_fn",
-    "make_outer_optimizer",
-]
+__all__ = ["TrainState", "build_apply_estimates_fn", "make_outer_optimizer"]
 
 PyTree = Any
 Metrics = dict[str, jax.Array]
-# loss_fn(params, loss_fn_state, batch, rng) -> (loss, (new_loss_fn_state, metrics))
-LossFn = Callable[[PyTree, PyTree, PyTree, jax.Array], tuple[jax.Array, tuple[PyTree, Metrics]]]
-TrainStepFn = Callable[["TrainState", PyTree], tuple["TrainState", Metrics]]
-ApplyEstimatesFn = Callable[
-    ["TrainState", Sequence[PyTree], Any], tuple["TrainState", Metrics, jax.Array]
-]
+ApplyEstimatesFn = Callable[..., tuple["TrainState", Metrics, jax.Array]]
 
 
 @jax.tree_util.register_dataclass
@@ -46,8 +31,8 @@ ApplyEstimatesFn = Callable[
 class TrainState:
     """Everything the learner needs to take the next optimizer step.
 
-    A pytree: ``step``, ``root_rng``, ``params``, ``opt_state`` and
-    ``loss_fn_state`` are data (traced under ``jax.jit``, donated, sharded);
+    A pytree: ``step``, ``root_rng``, ``params`` and ``opt_state`` are data
+    (traced under ``jax.jit``, donated, sharded);
     ``tx`` is static metadata, so it is part of the treedef and the jit cache
     key rather than an argument.
 
@@ -58,8 +43,6 @@ class TrainState:
         function of (root_rng, step) and survives checkpoint/resume exactly.
       params: the parameters being trained (theta for meta-training).
       opt_state: the optax state of ``tx`` for ``params``.
-      loss_fn_state: any extra pytree threaded through the loss function
-        (e.g. batch-norm statistics); may be ``None``.
       tx: the optax gradient transformation (static).
     """
 
@@ -67,7 +50,6 @@ class TrainState:
     root_rng: jax.Array
     params: PyTree
     opt_state: optax.OptState
-    loss_fn_state: PyTree
     tx: optax.GradientTransformation = dataclasses.field(metadata={"static": True})
 
     @classmethod
@@ -76,7 +58,6 @@ class TrainState:
         params: PyTree,
         tx: optax.GradientTransformation,
         rng: jax.Array,
-        loss_fn_state: PyTree = None,
     ) -> TrainState:
         """Builds the state at step 0 with ``opt_state = tx.init(params)``.
 
@@ -84,7 +65,6 @@ class TrainState:
           params: initial parameters.
           tx: optax transformation used for every step.
           rng: root PRNG key of the run.
-          loss_fn_state: optional extra state for the loss function.
 
         Returns:
           A new ``TrainState``. Note that ``params`` is stored as given: if a
@@ -95,7 +75,6 @@ class TrainState:
             root_rng=rng,
             params=params,
             opt_state=tx.init(params),
-            loss_fn_state=loss_fn_state,
             tx=tx,
         )
 
@@ -107,19 +86,9 @@ class TrainState:
         """The PRNG key for the current step: ``fold_in(root_rng, step)``."""
         return jax.random.fold_in(self.root_rng, self.step)
 
-    def apply_gradients(self, grads: PyTree, **changes: Any) -> TrainState:
-        """Applies one optimizer update and increments ``step``.
-
-        Args:
-          grads: gradient (or gradient estimate) with the structure of params.
-          **changes: other fields to replace at the same time (e.g.
-            ``loss_fn_state``).
-
-        Returns:
-          The updated state.
-        """
-        new_state, _ = _apply_updates(self, grads)
-        return new_state.replace(**changes) if changes else new_state
+    def apply_gradients(self, grads: PyTree) -> TrainState:
+        """Applies one optimizer update with ``grads`` (an estimate) and increments ``step``."""
+        return _apply_updates(self, grads)[0]
 
 
 def _apply_updates(state: TrainState, grads: PyTree) -> tuple[TrainState, PyTree]:
@@ -160,7 +129,7 @@ def _maybe_jit(
     kwargs: dict[str, Any] = {}
     if donate:
         # Only the state (argument 0) is donated: it is dead after the step,
-        # while the batch / estimate may still be referenced by the caller.
+        # while the estimates may still be referenced by the caller.
         kwargs["donate_argnums"] = (0,)
     if in_shardings is not None:
         kwargs["in_shardings"] = in_shardings
@@ -169,112 +138,10 @@ def _maybe_jit(
     return jax.jit(fn, **kwargs)
 
 
-def build_train_step_fn(
-    loss_fn: LossFn,
-    jit: bool = True,
-    donate_params_and_state: bool = False,
-    train_state_shardings: TrainState | jax.sharding.Sharding | None = None,
-    batch_shardings: PyTree | None = None,
-) -> TrainStepFn:
-    """Builds ``step(train_state, batch) -> (new_train_state, metrics)``.
-
-    The step computes ``jax.value_and_grad`` of ``loss_fn`` at the current
-    params with the per-step key ``fold_in(root_rng, step)``, applies the
-    optax update and increments ``step``.
-
-    Args:
-      loss_fn: ``loss_fn(params, loss_fn_state, batch, rng)`` returning
-        ``(loss, (new_loss_fn_state, metrics_dict))``.
-      jit: whether to wrap the step in ``jax.jit``. With ``jit=False`` the raw
-        function is returned (for debugging or for embedding in a larger jit).
-      donate_params_and_state: donate the incoming ``TrainState`` (params,
-        optimizer state, rng, ...) so XLA can reuse its buffers for the output.
-        The passed state must not be used after the call, nor any array that
-        shares its buffers (``jax.device_put`` onto an unchanged placement and
-        ``TrainState.initial_state`` do not copy).
-      train_state_shardings: a ``TrainState``-shaped pytree of shardings (e.g.
-        ``jax.tree.map(lambda _: sharding, state)``), or one sharding for every
-        leaf. Used as the input and output sharding of the state.
-      batch_shardings: shardings (or a prefix of them) for the batch.
-
-    Returns:
-      The step function. Metrics contain ``loss``, ``grad_norm`` (before any
-      clipping in ``tx``), ``update_norm``, ``param_norm`` (after the update)
-      and every entry of the loss function's metrics dict; on a name clash
-      the four standard entries win.
-    """
-
-    def step(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
-        rng = state.step_rng()
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (new_loss_fn_state, aux_metrics)), grads = grad_fn(
-            state.params, state.loss_fn_state, batch, rng
-        )
-        new_state, updates = _apply_updates(state, grads)
-        new_state = new_state.replace(loss_fn_state=new_loss_fn_state)
-        metrics = dict(aux_metrics or {})
-        metrics["loss"] = loss
-        metrics.update(_norm_metrics(grads, updates, new_state.params))
-        return new_state, metrics
-
-    in_shardings = out_shardings = None
-    if train_state_shardings is not None or batch_shardings is not None:
-        in_shardings = (train_state_shardings, batch_shardings)
-    if train_state_shardings is not None:
-        # Metrics are left to the partitioner (None).
-        out_shardings = (train_state_shardings, None)
-    return _maybe_jit(
-        step,
-        jit=jit,
-        donate=donate_params_and_state,
-        in_shardings=in_shardings,
-        out_shardings=out_shardings,
-    )
-
-
-def build_apply_estimate_fn(
-    jit: bool = True,
-    donate_params_and_state: bool = False,
-    train_state_shardings: TrainState | jax.sharding.Sharding | None = None,
-) -> Callable[[TrainState, PyTree], tuple[TrainState, Metrics]]:
-    """Builds ``step(train_state, grad) -> (new_train_state, metrics)``.
-
-    This is the learner's update for estimated gradients: ``grad`` (e.g. an
-    aggregated ES/PES estimate of d meta-loss / d theta) is fed to the optax
-    chain as is, without differentiating anything.
-
-    Args:
-      jit: whether to wrap the step in ``jax.jit``.
-      donate_params_and_state: donate the incoming ``TrainState``; the passed
-        state must not be used after the call. The estimate is not donated.
-      train_state_shardings: a ``TrainState``-shaped pytree of shardings, or
-        one sharding for every leaf. The estimate is given the shardings of
-        ``params``.
-
-    Returns:
-      The step function. Metrics: ``grad_norm`` of the estimate as received,
-      ``update_norm`` and ``param_norm`` after the update.
-    """
-
-    def step(state: TrainState, grad: PyTree) -> tuple[TrainState, Metrics]:
-        new_state, updates = _apply_updates(state, grad)
-        return new_state, _norm_metrics(grad, updates, new_state.params)
-
-    in_shardings = out_shardings = None
-    if train_state_shardings is not None:
-        in_shardings = (train_state_shardings, _params_shardings(train_state_shardings))
-        out_shardings = (train_state_shardings, None)
-    return _maybe_jit(
-        step,
-        jit=jit,
-        donate=donate_params_and_state,
-        in_shardings=in_shardings,
-        out_shardings=out_shardings,
-    )
-
-
-def _weighted_sum(grads: Sequence[PyTree], weights: jax.Array) -> PyTree:
-    """``sum_i weights[i] * grads[i]``, added in list order."""
+def _weighted_sum(grads: Sequence[PyTree], weights: jax.Array | None) -> PyTree:
+    """``sum_i weights[i] * grads[i]``, added in list order; the mean when ``weights`` is None."""
+    if weights is None:
+        weights = jnp.full(len(grads), 1.0 / len(grads), jnp.float32)
 
     def leaf_sum(*leaves: jax.Array) -> jax.Array:
         total = weights[0] * leaves[0]
@@ -312,7 +179,7 @@ def _jit_per_estimate_count(
     steps_by_count: dict[int, Callable[..., Any]] = {}
 
     def sharded_step(
-        state: TrainState, grads: Sequence[PyTree], weights: Any
+        state: TrainState, grads: Sequence[PyTree], weights: Any = None
     ) -> tuple[TrainState, Metrics, jax.Array]:
         grads = tuple(grads)
         if len(grads) not in steps_by_count:
@@ -333,7 +200,7 @@ def build_apply_estimates_fn(
     donate_params_and_state: bool = False,
     train_state_shardings: TrainState | jax.sharding.Sharding | None = None,
 ) -> ApplyEstimatesFn:
-    """Builds ``step(train_state, grads, weights) -> (new_train_state, metrics, applied)``.
+    """Builds ``step(train_state, grads, weights=None) -> (new_train_state, metrics, applied)``.
 
     The learner's update for one round of estimates, in one XLA program: the
     weighted sum ``sum_i weights[i] * grads[i]`` (in list order), a check that
@@ -349,19 +216,28 @@ def build_apply_estimates_fn(
     call reads aligned host arrays where they lie on CPU (no copy), and the
     sum is never written out on its own. The program is compiled once per
     number of estimates; ``weights`` (a float vector, e.g. normalised to sum
-    to 1) is an argument, not a constant.
+    to 1; None: the plain mean) is an argument, not a constant. One estimate,
+    ``step(state, [grad])``, is one optax step with ``grad``.
 
-    Args: as for :func:`build_apply_estimate_fn`; every estimate is given
-    the shardings of ``params``, and none is donated.
+    Args:
+      jit: whether to wrap the step in ``jax.jit`` (False: the raw function,
+        to embed in a larger jitted program).
+      donate_params_and_state: donate the incoming ``TrainState``; the passed
+        state must not be used after the call, nor any array that shares its
+        buffers (``TrainState.initial_state`` does not copy). Estimates are
+        never donated.
+      train_state_shardings: a ``TrainState``-shaped pytree of shardings, or
+        one sharding for every leaf, for the state in and out; every estimate
+        is given the shardings of ``params``.
 
     Returns:
-      The step function. Metrics, as for :func:`build_apply_estimate_fn`:
-      ``grad_norm`` of the weighted sum, ``update_norm`` and ``param_norm`` of
-      the update it would make (not finite when ``applied`` is False).
+      The step function. Metrics: ``grad_norm`` of the weighted sum (before
+      any clipping in ``tx``), ``update_norm`` and ``param_norm`` of the
+      update it would make (not finite when ``applied`` is False).
     """
 
     def step(
-        state: TrainState, grads: Sequence[PyTree], weights: jax.Array
+        state: TrainState, grads: Sequence[PyTree], weights: jax.Array | None = None
     ) -> tuple[TrainState, Metrics, jax.Array]:
         grad = _weighted_sum(grads, weights)
         candidate, updates = _apply_updates(state, grad)

@@ -221,12 +221,15 @@ def test_rejects_non_json_metadata_and_non_dict_tree(tmp_path):
 def test_train_state_round_trip_and_resume(tmp_path):
     from popmeta.learner.train_state import (
         TrainState,
-        build_apply_estimate_fn,
+        build_apply_estimates_fn,
         make_outer_optimizer,
     )
 
     tx = make_outer_optimizer("adam", 3.0, learning_rate=0.1)
-    apply = build_apply_estimate_fn()
+    step = build_apply_estimates_fn()
+
+    def apply(state, grad):
+        return step(state, [grad])[:2]
 
     def fresh():
         return TrainState.initial_state({"w": jnp.zeros(3)}, tx, jax.random.key(0))

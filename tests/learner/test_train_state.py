@@ -15,19 +15,14 @@ import pytest
 
 from popmeta.learner.train_state import (
     TrainState,
-    build_apply_estimate_fn,
     build_apply_estimates_fn,
-    build_train_step_fn,
     make_outer_optimizer,
 )
 
 
-def _linreg_loss(params, loss_fn_state, batch, rng):
-    del rng
+def _linreg_loss(params, batch):
     pred = batch["x"] @ params["w"] + params["b"]
-    loss = jnp.mean((pred - batch["y"]) ** 2)
-    # Count calls through the threaded state, to check it is carried.
-    return loss, (loss_fn_state + 1, {"mse": loss})
+    return jnp.mean((pred - batch["y"]) ** 2)
 
 
 def _linreg_data():
@@ -52,60 +47,51 @@ def test_train_state_is_pytree_with_static_tx():
     assert rebuilt.tx is tx
 
 
-def test_linear_regression_converges():
+def test_exact_gradients_as_estimates_train_a_linear_regression():
     batch, w_true = _linreg_data()
     tx = make_outer_optimizer("adam", None, learning_rate=0.1)
-    state = TrainState.initial_state(_params(), tx, jax.random.key(0), loss_fn_state=jnp.array(0))
-    step = build_train_step_fn(_linreg_loss)
-    first_loss = None
+    state = TrainState.initial_state(_params(), tx, jax.random.key(0))
+    step = build_apply_estimates_fn()
+    loss_and_grad = jax.jit(jax.value_and_grad(_linreg_loss))
+    first_loss, _ = loss_and_grad(state.params, batch)
     for _ in range(300):
-        state, metrics = step(state, batch)
-        first_loss = first_loss if first_loss is not None else float(metrics["loss"])
-    assert float(metrics["loss"]) < 1e-3 * first_loss
+        loss, grad = loss_and_grad(state.params, batch)
+        state, metrics, applied = step(state, [grad])
+        assert bool(applied)
+    assert float(loss) < 1e-3 * float(first_loss)
     np.testing.assert_allclose(state.params["w"], w_true, atol=1e-2)
     np.testing.assert_allclose(state.params["b"], 0.3, atol=1e-2)
     assert int(state.step) == 300
-    assert int(state.loss_fn_state) == 300
-    assert {"loss", "grad_norm", "update_norm", "param_norm", "mse"} <= set(metrics)
+    assert {"grad_norm", "update_norm", "param_norm"} == set(metrics)
 
 
 def test_step_rng_is_fold_in_of_root_rng_and_step():
-    def loss_fn(params, loss_fn_state, batch, rng):
-        noise = jax.random.normal(rng, ())
-        return jnp.sum(params["w"]) * 0.0, (loss_fn_state, {"noise": noise})
-
     root = jax.random.key(42)
     state = TrainState.initial_state({"w": jnp.zeros(2)}, optax.sgd(0.1), root)
-    step = build_train_step_fn(loss_fn)
-    seen = []
+    step = build_apply_estimates_fn()
     for t in range(3):
-        state, metrics = step(state, None)
-        expected = jax.random.normal(jax.random.fold_in(root, t), ())
-        assert float(metrics["noise"]) == pytest.approx(float(expected))
-        seen.append(float(metrics["noise"]))
-    assert len(set(seen)) == 3
+        expected = jax.random.fold_in(root, t)
+        assert jax.random.key_data(state.step_rng()).tolist() == (
+            jax.random.key_data(expected).tolist()
+        )
+        state, _, _ = step(state, [{"w": jnp.ones(2)}])
 
 
 @pytest.mark.parametrize("donate", [True, False])
 def test_donation_deletes_old_buffers(donate):
-    batch, _ = _linreg_data()
     tx = make_outer_optimizer("adam", 3.0, learning_rate=0.1)
-    old = TrainState.initial_state(_params(), tx, jax.random.key(0), loss_fn_state=jnp.array(0))
-    step = build_train_step_fn(_linreg_loss, donate_params_and_state=donate)
-    new, _ = step(old, batch)
+    old = TrainState.initial_state(_params(), tx, jax.random.key(0))
+    step = build_apply_estimates_fn(donate_params_and_state=donate)
+    grad = {"w": jnp.ones(3), "b": jnp.ones(())}
+    new, _, _ = step(old, [grad])
     assert old.params["w"].is_deleted() is donate
     assert old.opt_state[1][0].mu["w"].is_deleted() is donate
     assert not new.params["w"].is_deleted()
-    # The batch is never donated.
-    assert not batch["x"].is_deleted()
-
-    apply = build_apply_estimate_fn(donate_params_and_state=donate)
-    newer, _ = apply(new, {"w": jnp.ones(3), "b": jnp.ones(())})
-    assert new.params["w"].is_deleted() is donate
-    assert not newer.params["w"].is_deleted()
+    # The estimates are never donated.
+    assert not grad["w"].is_deleted()
 
 
-def test_apply_estimate_matches_hand_applied_adam():
+def test_one_estimate_is_one_hand_applied_adam_step():
     params = {"w": jnp.array([1.0, -1.0, 2.0]), "b": jnp.array(0.5)}
     grads = [
         {"w": jnp.array([0.1, 0.2, -0.3]), "b": jnp.array(1.0)},
@@ -113,12 +99,12 @@ def test_apply_estimate_matches_hand_applied_adam():
     ]
     tx = make_outer_optimizer("adam", None, learning_rate=0.01)
     state = TrainState.initial_state(params, tx, jax.random.key(0))
-    apply = build_apply_estimate_fn()
+    apply = build_apply_estimates_fn()
 
     ref_tx = optax.adam(0.01)
     ref_params, ref_opt = params, ref_tx.init(params)
     for g in grads:
-        state, metrics = apply(state, g)
+        state, metrics, _ = apply(state, [g])
         updates, ref_opt = ref_tx.update(g, ref_opt, ref_params)
         ref_params = optax.apply_updates(ref_params, updates)
         np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(g), rtol=1e-6)
@@ -127,9 +113,9 @@ def test_apply_estimate_matches_hand_applied_adam():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), state.params, ref_params)
     assert int(state.step) == 2
     # The non-jitted path computes the same thing.
-    unjitted = build_apply_estimate_fn(jit=False)
+    unjitted = build_apply_estimates_fn(jit=False)
     s0 = TrainState.initial_state(params, tx, jax.random.key(0))
-    s1, _ = unjitted(s0, grads[0])
+    s1, _, _ = unjitted(s0, [grads[0]])
     s1_ref = TrainState.initial_state(params, tx, jax.random.key(0)).apply_gradients(grads[0])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), s1.params, s1_ref.params)
 
@@ -139,7 +125,7 @@ def test_clipping_by_global_norm_clips():
     big = {"a": jnp.array([30.0, 0.0]), "b": jnp.array([0.0, 40.0])}  # global norm 50
     tx = make_outer_optimizer("sgd", 5.0, learning_rate=1.0)
     state = TrainState.initial_state(params, tx, jax.random.key(0))
-    new, metrics = build_apply_estimate_fn()(state, big)
+    new, metrics, _ = build_apply_estimates_fn()(state, [big])
     assert float(metrics["grad_norm"]) == pytest.approx(50.0)
     assert float(metrics["update_norm"]) == pytest.approx(5.0, rel=1e-5)
     # Direction is kept: sgd step = -clipped grad.
@@ -148,7 +134,7 @@ def test_clipping_by_global_norm_clips():
 
     # Below the threshold nothing changes.
     small = {"a": jnp.array([0.3, 0.0]), "b": jnp.array([0.0, 0.4])}
-    _, metrics = build_apply_estimate_fn()(state, small)
+    _, metrics, _ = build_apply_estimates_fn()(state, [small])
     assert float(metrics["update_norm"]) == pytest.approx(0.5, rel=1e-5)
 
 
@@ -187,7 +173,7 @@ def test_apply_estimates_takes_the_weighted_mean_of_host_arrays():
     assert state.params["a"].is_deleted()
 
 
-def test_apply_estimates_equals_apply_estimate_of_the_mean():
+def test_apply_estimates_equals_one_step_with_the_mean():
     weights = np.asarray([0.5, 0.25, 0.25], np.float32)
     grads = _host_estimates(weights, seed=4)
     mean = jax.tree.map(
@@ -197,10 +183,10 @@ def test_apply_estimates_equals_apply_estimate_of_the_mean():
     params = {"a": jnp.linspace(-1, 1, 1000), "b": jnp.zeros(3)}
     fused = TrainState.initial_state(params, tx, jax.random.key(0))
     separate = TrainState.initial_state(params, tx, jax.random.key(0))
-    step, apply = build_apply_estimates_fn(), build_apply_estimate_fn()
+    step = build_apply_estimates_fn()
     for _ in range(3):
         fused, fused_metrics, _ = step(fused, grads, weights)
-        separate, separate_metrics = apply(separate, mean)
+        separate, separate_metrics, _ = step(separate, [mean])
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
         (fused.params, fused.opt_state, fused_metrics),
@@ -208,9 +194,9 @@ def test_apply_estimates_equals_apply_estimate_of_the_mean():
     )
     # One program per number of estimates, whatever the weights.
     step(fused, grads, np.asarray([0.2, 0.3, 0.5], np.float32))
-    assert step._cache_size() == 1
+    assert step._cache_size() == 2  # 3 estimates, and the 1 above
     step(fused, grads[:2], np.asarray([0.5, 0.5], np.float32))
-    assert step._cache_size() == 2
+    assert step._cache_size() == 3
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, 1e30])
@@ -258,20 +244,13 @@ _SHARDING_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from popmeta.learner.train_state import (
-        TrainState, build_apply_estimate_fn, build_apply_estimates_fn, build_train_step_fn,
-        make_outer_optimizer)
+        TrainState, build_apply_estimates_fn, make_outer_optimizer)
 
     assert jax.device_count() == 4, jax.devices()
     mesh = jax.make_mesh((4,), ("x",))
     row = NamedSharding(mesh, P("x"))
     rep = NamedSharding(mesh, P())
 
-    def loss_fn(params, s, batch, rng):
-        pred = batch["x"] @ params["w"] + params["b"]
-        return jnp.mean((pred - batch["y"]) ** 2), (s, {})
-
-    x = jax.random.normal(jax.random.key(0), (16, 8))
-    batch = {"x": x, "y": x @ jnp.arange(8.0)}
     tx = make_outer_optimizer("adam", 3.0, learning_rate=0.1)
 
     def fresh_state():
@@ -283,23 +262,9 @@ _SHARDING_SCRIPT = textwrap.dedent(
     state = fresh_state()
     # Shard every vector of length 8 (params, adam moments) over the mesh.
     state_sh = jax.tree.map(lambda a: row if a.shape == (8,) else rep, state)
-    batch_sh = {"x": row, "y": row}
-
-    sharded_step = build_train_step_fn(
-        loss_fn, donate_params_and_state=True,
-        train_state_shardings=state_sh, batch_shardings=batch_sh)
-    plain_step = build_train_step_fn(loss_fn)
-    apply_sharded = build_apply_estimate_fn(train_state_shardings=state_sh)
-    apply_plain = build_apply_estimate_fn()
 
     s_sh = jax.device_put(state, state_sh)
     s_pl = fresh_state()
-    for _ in range(3):
-        s_sh, m_sh = sharded_step(s_sh, batch)
-        s_pl, m_pl = plain_step(s_pl, batch)
-    g = {"w": jnp.ones(8), "b": jnp.ones(())}
-    s_sh, _ = apply_sharded(s_sh, g)
-    s_pl, _ = apply_plain(s_pl, g)
     # The learner's step, on host estimates as they come from the object store.
     estimates = [{"w": np.full(8, v, np.float32), "b": np.float32(v)} for v in (1.0, -3.0)]
     weights = np.asarray([0.25, 0.75], np.float32)
@@ -307,9 +272,13 @@ _SHARDING_SCRIPT = textwrap.dedent(
         donate_params_and_state=True, train_state_shardings=state_sh)
     estimates_plain = build_apply_estimates_fn()
     for _ in range(2):
-        s_sh, _, applied_sh = estimates_sharded(s_sh, estimates, weights)
-        s_pl, _, applied_pl = estimates_plain(s_pl, estimates, weights)
+        s_sh, m_sh, applied_sh = estimates_sharded(s_sh, estimates, weights)
+        s_pl, m_pl, applied_pl = estimates_plain(s_pl, estimates, weights)
         assert bool(applied_sh) and bool(applied_pl)
+    # One estimate, a round of one, with no weights.
+    g = {"w": jnp.ones(8), "b": jnp.ones(())}
+    s_sh, _, _ = estimates_sharded(s_sh, [g])
+    s_pl, _, _ = estimates_plain(s_pl, [g])
 
     w_sh = s_sh.params["w"].sharding
     assert isinstance(w_sh, NamedSharding) and w_sh.spec == P("x"), w_sh
@@ -318,7 +287,7 @@ _SHARDING_SCRIPT = textwrap.dedent(
     assert len(s_sh.params["w"].addressable_shards) == 4
     np.testing.assert_allclose(s_sh.params["w"], s_pl.params["w"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(s_sh.params["b"], s_pl.params["b"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(m_sh["loss"], m_pl["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m_sh["grad_norm"], m_pl["grad_norm"], rtol=1e-5)
     print("SHARDING_OK", tuple(w_sh.spec), len(s_sh.params["w"].addressable_shards))
     """
 )
