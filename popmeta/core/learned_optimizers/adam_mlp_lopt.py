@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams, OptimizerOfTheta
@@ -31,15 +30,16 @@ from popmeta.core.learned_optimizers.features import (
     DEFAULT_DECAYS,
     HORIZON_CENTERS,
     SHORT_TIMESCALES,
-    adam_directions,
+    adam_and_mlp,
+    advanced_fields,
     beta1_index,
     checked_num_steps,
-    mlp_init,
     num_per_parameter_features,
-    per_parameter_mlp,
+    num_time_and_horizon_features,
+    per_parameter_mlp_init,
+    start_fields,
     time_and_horizon_features,
     update_accumulators,
-    zero_accumulators,
 )
 from popmeta.core.optimizers import Optimizer
 
@@ -77,12 +77,8 @@ class _AdamMLPLOptOptimizer(OptimizerOfTheta):
         self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
     ) -> AdamMLPLOptState:
         del key
-        momentums, rms = zero_accumulators(params, len(self._lopt.decays))
         return AdamMLPLOptState(
-            params=params,
-            momentums=momentums,
-            rms=rms,
-            iteration=jnp.asarray(0, jnp.int32),
+            **start_fields(params, len(self._lopt.decays)),
             num_steps=checked_num_steps(self._lopt.name, num_steps),
         )
 
@@ -95,17 +91,11 @@ class _AdamMLPLOptOptimizer(OptimizerOfTheta):
     ) -> tuple[Params, AdamMLPLOptState]:
         del loss, key
         lopt = self._lopt
-        momentums, rms = update_accumulators(
-            state.momentums, state.rms, grad, lopt.decays, lopt.rms_decay
-        )
-        iteration = jnp.asarray(state.iteration, jnp.float32)
+        momentums, rms, iteration = update_accumulators(lopt, state, grad)
         shared = lopt.shared_features(iteration, state.num_steps)
         lr = jnp.exp(self._theta["log_lr"])
-        directions = adam_directions(
-            momentums, rms, iteration, lopt.beta1_index, lopt.beta1, lopt.rms_decay, lopt.epsilon
-        )
-        corrections, log_scales = per_parameter_mlp(
-            self._theta["mlp"], state.params, grad, momentums, rms, shared, lopt.epsilon
+        directions, corrections, log_scales = adam_and_mlp(
+            lopt, self._theta["mlp"], state.params, grad, momentums, rms, iteration, shared
         )
 
         def tensor_update(
@@ -115,13 +105,7 @@ class _AdamMLPLOptOptimizer(OptimizerOfTheta):
             return -step.astype(p.dtype)
 
         updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
-        following = state._replace(
-            params=optax.apply_updates(state.params, updates),
-            momentums=momentums,
-            rms=rms,
-            iteration=state.iteration + 1,
-        )
-        return updates, following
+        return updates, state._replace(**advanced_fields(state, updates, momentums, rms))
 
 
 class AdamMLPLOpt(LearnedOptimizer):
@@ -176,7 +160,7 @@ class AdamMLPLOpt(LearnedOptimizer):
     @property
     def num_features(self) -> int:
         """Width of the MLP input (18 with the defaults)."""
-        shared = len(self.timescales) + 1 + len(self.horizon_centers)
+        shared = num_time_and_horizon_features(len(self.timescales), len(self.horizon_centers))
         return num_per_parameter_features(len(self.decays)) + shared
 
     def shared_features(self, iteration: jax.Array, num_steps: jax.Array) -> jax.Array:
@@ -186,10 +170,11 @@ class AdamMLPLOpt(LearnedOptimizer):
         )
 
     def init(self, key: jax.Array) -> MetaParams:
-        sizes = (self.num_features, *([self.hidden_size] * self.hidden_layers), 2)
         return {
             "log_lr": jnp.asarray(np.log(self.initial_lr), jnp.float32),
-            "mlp": mlp_init(key, sizes, output_init_scale=0.0),
+            "mlp": per_parameter_mlp_init(
+                key, self.num_features, self.hidden_size, self.hidden_layers, output_init_scale=0.0
+            ),
         }
 
     def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:

@@ -1,35 +1,44 @@
 """Building blocks shared by the per-parameter MLP learned optimizers.
 
-Both :class:`~popmeta.core.learned_optimizers.MLPLOpt` and
-:class:`~popmeta.core.learned_optimizers.AdamMLPLOpt` apply one tiny MLP to
-every parameter of every tensor, reading the same per-parameter features of
+:class:`~popmeta.core.learned_optimizers.MLPLOpt`,
+:class:`~popmeta.core.learned_optimizers.AdamMLPLOpt` and
+:class:`~popmeta.core.learned_optimizers.NormalizedMLPLOpt` apply one tiny MLP
+to every parameter of every tensor, reading the same per-parameter features of
 its optimisation history; this module holds those features, the accumulators
-they read and the MLP.
+they read (and the state fields that carry them), Adam's direction and the MLP.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 __all__ = [
     "DEFAULT_DECAYS",
     "HORIZON_CENTERS",
     "SHORT_TIMESCALES",
+    "AccumulatorFields",
+    "AdamFields",
+    "adam_and_mlp",
     "adam_directions",
+    "advanced_fields",
     "beta1_index",
     "checked_num_steps",
     "mlp_init",
     "num_per_parameter_features",
+    "num_time_and_horizon_features",
     "per_parameter_features",
     "per_parameter_mlp",
+    "per_parameter_mlp_init",
+    "short_time_features",
+    "start_fields",
     "time_and_horizon_features",
     "update_accumulators",
-    "zero_accumulators",
 ]
 
 Params = Any
@@ -51,24 +60,57 @@ def num_per_parameter_features(num_decays: int) -> int:
     return _NUM_PER_PARAMETER_BASE + 2 * num_decays
 
 
-def zero_accumulators(params: Params, num_decays: int) -> tuple[Params, Params]:
-    """Empty gradient EMAs (a trailing axis of ``num_decays``) and squared-gradient EMA."""
-    momentums = jax.tree.map(lambda p: jnp.zeros((*jnp.shape(p), num_decays), jnp.float32), params)
-    rms = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    return momentums, rms
+def start_fields(params: Params, num_decays: int) -> dict[str, Any]:
+    """The state fields every per-parameter MLP optimizer starts from.
+
+    ``params``, empty gradient EMAs ``momentums`` (a trailing axis of
+    ``num_decays``), an empty squared-gradient EMA ``rms`` and ``iteration`` 0.
+    """
+    return {
+        "params": params,
+        "momentums": jax.tree.map(
+            lambda p: jnp.zeros((*jnp.shape(p), num_decays), jnp.float32), params
+        ),
+        "rms": jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params),
+        "iteration": jnp.asarray(0, jnp.int32),
+    }
+
+
+def advanced_fields(state: Any, updates: Params, momentums: Params, rms: Params) -> dict[str, Any]:
+    """``state``'s fields of :func:`start_fields` one step on: ``updates`` applied, the new EMAs."""
+    return {
+        "params": optax.apply_updates(state.params, updates),
+        "momentums": momentums,
+        "rms": rms,
+        "iteration": state.iteration + 1,
+    }
+
+
+class AccumulatorFields(Protocol):
+    """The fields of a learned optimizer whose state holds the EMAs of :func:`start_fields`."""
+
+    decays: tuple[float, ...]
+    rms_decay: float
 
 
 def update_accumulators(
-    momentums: Params, rms: Params, grad: Params, decays: Sequence[float], rms_decay: float
-) -> tuple[Params, Params]:
-    """One step of the gradient EMAs (one per decay, trailing axis) and the squared-gradient EMA."""
-    decay_array = jnp.asarray(decays, jnp.float32)
+    lopt: AccumulatorFields, state: Any, grad: Params
+) -> tuple[Params, Params, jax.Array]:
+    """``state``'s EMAs one step on with ``grad``, and its ``iteration`` as float32.
+
+    The gradient EMAs (one per ``lopt.decays``, trailing axis) and the
+    squared-gradient EMA (decay ``lopt.rms_decay``). The iteration is the
+    step being taken (0 on the first), which the time features read.
+    """
+    decay_array = jnp.asarray(lopt.decays, jnp.float32)
     momentums = jax.tree.map(
-        lambda m, g: decay_array * m + (1.0 - decay_array) * g[..., None], momentums, grad
+        lambda m, g: decay_array * m + (1.0 - decay_array) * g[..., None], state.momentums, grad
     )
-    rms_decay = jnp.float32(rms_decay)
-    rms = jax.tree.map(lambda v, g: rms_decay * v + (1.0 - rms_decay) * jnp.square(g), rms, grad)
-    return momentums, rms
+    rms_decay = jnp.float32(lopt.rms_decay)
+    rms = jax.tree.map(
+        lambda v, g: rms_decay * v + (1.0 - rms_decay) * jnp.square(g), state.rms, grad
+    )
+    return momentums, rms, jnp.asarray(state.iteration, jnp.float32)
 
 
 def beta1_index(beta1: float, decays: Sequence[float]) -> int:
@@ -76,6 +118,11 @@ def beta1_index(beta1: float, decays: Sequence[float]) -> int:
     if float(beta1) not in decays:
         raise ValueError(f"beta1 ({beta1!r}) must be one of decays {tuple(decays)}")
     return list(decays).index(float(beta1))
+
+
+def num_time_and_horizon_features(num_timescales: int, num_horizon_centers: int) -> int:
+    """Width of :func:`time_and_horizon_features`: the short features, the fraction, the horizon."""
+    return num_timescales + 1 + num_horizon_centers
 
 
 def checked_num_steps(name: str, num_steps: int | jax.Array | None) -> jax.Array:
@@ -88,6 +135,11 @@ def checked_num_steps(name: str, num_steps: int | jax.Array | None) -> jax.Array
     return jnp.maximum(jnp.asarray(num_steps, jnp.float32), 1.0)
 
 
+def short_time_features(iteration: jax.Array, timescales: Sequence[float]) -> jax.Array:
+    """``tanh(iteration / timescale - 1)`` for each of ``timescales``: where a run is in its first steps."""
+    return jnp.tanh(iteration / jnp.asarray(timescales, jnp.float32) - 1.0)
+
+
 def time_and_horizon_features(
     iteration: jax.Array,
     num_steps: jax.Array,
@@ -96,14 +148,13 @@ def time_and_horizon_features(
 ) -> jax.Array:
     """The time features every parameter reads at ``iteration`` (float32) of a ``num_steps`` run.
 
-    ``tanh(iteration / timescale - 1)`` for each of ``timescales`` (the first
-    steps, while accumulators fill), the fraction of the run done
+    :func:`short_time_features` (the first steps, while accumulators fill), the fraction of the run done
     ``f = iteration / num_steps`` and ``tanh(8 (f - c))`` for each of
     ``horizon_centers``. None reads the absolute number of steps beyond the
     short timescales, so a run ``k`` times longer than any trained on feeds
     the same range of inputs.
     """
-    short = jnp.tanh(iteration / jnp.asarray(timescales, jnp.float32) - 1.0)
+    short = short_time_features(iteration, timescales)
     fraction = iteration / num_steps
     centers = jnp.asarray(horizon_centers, jnp.float32)
     horizon = jnp.tanh(_HORIZON_SHARPNESS * (fraction - centers))
@@ -136,6 +187,40 @@ def adam_directions(
     return jax.tree.map(direction, momentums, rms)
 
 
+class AdamFields(AccumulatorFields, Protocol):
+    """The fields of a learned optimizer built on Adam's direction (``rms_decay`` is its beta2)."""
+
+    beta1: float
+    beta1_index: int
+    epsilon: float
+
+
+def adam_and_mlp(
+    lopt: AdamFields,
+    theta_mlp: Params,
+    params: Params,
+    grad: Params,
+    momentums: Params,
+    rms: Params,
+    iteration: jax.Array,
+    shared: jax.Array,
+    normalize_epsilon: float = 1e-5,
+) -> tuple[Params, Params, Params]:
+    """Adam's direction and the MLP's two outputs, each a params-shaped pytree.
+
+    :func:`adam_directions` with ``lopt``'s ``beta1`` (its ``rms_decay`` as
+    ``beta2``) and :func:`per_parameter_mlp` of ``theta_mlp``, both reading the
+    accumulators after this step's update and ``lopt.epsilon``.
+    """
+    directions = adam_directions(
+        momentums, rms, iteration, lopt.beta1_index, lopt.beta1, lopt.rms_decay, lopt.epsilon
+    )
+    first, second = per_parameter_mlp(
+        theta_mlp, params, grad, momentums, rms, shared, lopt.epsilon, normalize_epsilon
+    )
+    return directions, first, second
+
+
 def _second_moment_normalize(x: jax.Array, axes: tuple[int, ...], eps: float = 1e-5) -> jax.Array:
     return x * jax.lax.rsqrt(eps + jnp.mean(jnp.square(x), axis=axes, keepdims=True))
 
@@ -165,6 +250,18 @@ def per_parameter_features(
     inv_rms = jax.lax.rsqrt(v + epsilon)
     features = jnp.concatenate([p, g, m, v, m * inv_rms, inv_rms], axis=0)
     return _second_moment_normalize(features, (1,), normalize_epsilon)
+
+
+def per_parameter_mlp_init(
+    key: jax.Array,
+    num_features: int,
+    hidden_size: int,
+    hidden_layers: int,
+    output_init_scale: float,
+) -> Params:
+    """Theta of :func:`per_parameter_mlp`: ``hidden_layers`` of ``hidden_size`` units, 2 outputs."""
+    sizes = (num_features, *([hidden_size] * hidden_layers), 2)
+    return mlp_init(key, sizes, output_init_scale)
 
 
 def mlp_init(key: jax.Array, sizes: Sequence[int], output_init_scale: float) -> Params:

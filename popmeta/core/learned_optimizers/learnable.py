@@ -43,43 +43,45 @@ def _decay(theta_entry: jax.Array) -> jax.Array:
     return 1.0 - jax.nn.sigmoid(theta_entry)
 
 
-class LearnableSGD(LearnedOptimizer):
+class _LearnedHyperparameters(LearnedOptimizer):
+    """A baseline whose theta is its reparameterised hyperparameters, starting at ``_initial_theta``."""
+
+    _initial_theta: dict[str, np.ndarray]
+
+    def init(self, key: jax.Array) -> MetaParams:
+        del key
+        return {k: jnp.asarray(v) for k, v in self._initial_theta.items()}
+
+
+class LearnableSGD(_LearnedHyperparameters):
     """SGD with a learned learning rate; theta = ``{"log_lr"}``."""
 
     def __init__(self, initial_lr: float = 1e-3):
         self.initial_lr = initial_lr
-        self._log_lr = _log(initial_lr, "initial_lr")
-
-    def init(self, key: jax.Array) -> MetaParams:
-        del key
-        return {"log_lr": jnp.asarray(self._log_lr)}
+        self._initial_theta = {"log_lr": _log(initial_lr, "initial_lr")}
 
     def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
         del is_training
         return SGD(jnp.exp(theta["log_lr"]))
 
 
-class LearnableSGDM(LearnedOptimizer):
+class LearnableSGDM(_LearnedHyperparameters):
     """SGD with momentum; theta = ``{"log_lr", "logit_one_minus_momentum"}``."""
 
     def __init__(self, initial_lr: float = 1e-3, initial_momentum: float = 0.9):
         self.initial_lr = initial_lr
         self.initial_momentum = initial_momentum
-        self._theta = {
+        self._initial_theta = {
             "log_lr": _log(initial_lr, "initial_lr"),
             "logit_one_minus_momentum": _logit_one_minus(initial_momentum, "initial_momentum"),
         }
-
-    def init(self, key: jax.Array) -> MetaParams:
-        del key
-        return {k: jnp.asarray(v) for k, v in self._theta.items()}
 
     def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
         del is_training
         return SGDM(jnp.exp(theta["log_lr"]), _decay(theta["logit_one_minus_momentum"]))
 
 
-class LearnableAdam(LearnedOptimizer):
+class LearnableAdam(_LearnedHyperparameters):
     """Adam; theta = ``{"log_lr", "logit_one_minus_beta1", "logit_one_minus_beta2", "log_epsilon"}``."""
 
     def __init__(
@@ -93,16 +95,12 @@ class LearnableAdam(LearnedOptimizer):
         self.initial_beta1 = initial_beta1
         self.initial_beta2 = initial_beta2
         self.initial_epsilon = initial_epsilon
-        self._theta = {
+        self._initial_theta = {
             "log_lr": _log(initial_lr, "initial_lr"),
             "logit_one_minus_beta1": _logit_one_minus(initial_beta1, "initial_beta1"),
             "logit_one_minus_beta2": _logit_one_minus(initial_beta2, "initial_beta2"),
             "log_epsilon": _log(initial_epsilon, "initial_epsilon"),
         }
-
-    def init(self, key: jax.Array) -> MetaParams:
-        del key
-        return {k: jnp.asarray(v) for k, v in self._theta.items()}
 
     def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
         del is_training

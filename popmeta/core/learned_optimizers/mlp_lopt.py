@@ -21,17 +21,18 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams, OptimizerOfTheta
 from popmeta.core.learned_optimizers.features import (
     DEFAULT_DECAYS,
-    mlp_init,
+    advanced_fields,
     num_per_parameter_features,
     per_parameter_mlp,
+    per_parameter_mlp_init,
+    short_time_features,
+    start_fields,
     update_accumulators,
-    zero_accumulators,
 )
 from popmeta.core.optimizers import Optimizer
 
@@ -68,13 +69,7 @@ class _MLPLOptOptimizer(OptimizerOfTheta):
         self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
     ) -> MLPLOptState:
         del num_steps, key
-        momentums, rms = zero_accumulators(params, len(self._lopt.decays))
-        return MLPLOptState(
-            params=params,
-            momentums=momentums,
-            rms=rms,
-            iteration=jnp.asarray(0, jnp.int32),
-        )
+        return MLPLOptState(**start_fields(params, len(self._lopt.decays)))
 
     def step(
         self,
@@ -85,14 +80,8 @@ class _MLPLOptOptimizer(OptimizerOfTheta):
     ) -> tuple[Params, MLPLOptState]:
         del loss, key
         lopt = self._lopt
-        momentums, rms = update_accumulators(
-            state.momentums, state.rms, grad, lopt.decays, lopt.rms_decay
-        )
-        # Features use the iteration of the step being taken (0 on the first).
-        time_features = jnp.tanh(
-            jnp.asarray(state.iteration, jnp.float32) / jnp.asarray(lopt.timescales, jnp.float32)
-            - 1.0
-        )
+        momentums, rms, iteration = update_accumulators(lopt, state, grad)
+        time_features = short_time_features(iteration, lopt.timescales)
 
         directions, magnitudes = per_parameter_mlp(
             self._theta, state.params, grad, momentums, rms, time_features, lopt.epsilon
@@ -103,13 +92,7 @@ class _MLPLOptOptimizer(OptimizerOfTheta):
             return -step.astype(p.dtype)
 
         updates = jax.tree.map(tensor_update, state.params, directions, magnitudes)
-        following = MLPLOptState(
-            params=optax.apply_updates(state.params, updates),
-            momentums=momentums,
-            rms=rms,
-            iteration=state.iteration + 1,
-        )
-        return updates, following
+        return updates, state._replace(**advanced_fields(state, updates, momentums, rms))
 
 
 class MLPLOpt(LearnedOptimizer):
@@ -165,8 +148,9 @@ class MLPLOpt(LearnedOptimizer):
         return num_per_parameter_features(len(self.decays)) + len(self.timescales)
 
     def init(self, key: jax.Array) -> MetaParams:
-        sizes = (self.num_features, *([self.hidden_size] * self.hidden_layers), 2)
-        return mlp_init(key, sizes, self.output_init_scale)
+        return per_parameter_mlp_init(
+            key, self.num_features, self.hidden_size, self.hidden_layers, self.output_init_scale
+        )
 
     def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
         del is_training

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from popmeta.core import tree_utils
 from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams, OptimizerOfTheta
@@ -32,15 +31,17 @@ from popmeta.core.learned_optimizers.features import (
     DEFAULT_DECAYS,
     HORIZON_CENTERS,
     SHORT_TIMESCALES,
-    adam_directions,
+    adam_and_mlp,
+    advanced_fields,
     beta1_index,
     checked_num_steps,
     mlp_init,
     num_per_parameter_features,
-    per_parameter_mlp,
+    num_time_and_horizon_features,
+    per_parameter_mlp_init,
+    start_fields,
     time_and_horizon_features,
     update_accumulators,
-    zero_accumulators,
 )
 from popmeta.core.optimizers import Optimizer
 
@@ -110,13 +111,9 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
         self, params: Params, num_steps: int | jax.Array | None = None, key: jax.Array | None = None
     ) -> NormalizedMLPLOptState:
         del key
-        momentums, rms = zero_accumulators(params, len(self._lopt.decays))
         zero = jnp.asarray(0.0, jnp.float32)
         return NormalizedMLPLOptState(
-            params=params,
-            momentums=momentums,
-            rms=rms,
-            iteration=jnp.asarray(0, jnp.int32),
+            **start_fields(params, len(self._lopt.decays)),
             num_steps=checked_num_steps(self._lopt.name, num_steps),
             initial_loss=zero,
             loss_ema=zero,
@@ -147,10 +144,7 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
     ) -> tuple[Params, NormalizedMLPLOptState]:
         del key
         lopt, theta = self._lopt, self._theta
-        momentums, rms = update_accumulators(
-            state.momentums, state.rms, grad, lopt.decays, lopt.rms_decay
-        )
-        iteration = jnp.asarray(state.iteration, jnp.float32)
+        momentums, rms, iteration = update_accumulators(lopt, state, grad)
         shared = time_and_horizon_features(
             iteration, state.num_steps, lopt.timescales, lopt.horizon_centers
         )
@@ -165,17 +159,15 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             lopt.external_schedule
         ](fraction)
 
-        directions = adam_directions(
-            momentums, rms, iteration, lopt.beta1_index, lopt.beta1, lopt.rms_decay, lopt.epsilon
-        )
-        corrections, log_scales = per_parameter_mlp(
+        directions, corrections, log_scales = adam_and_mlp(
+            lopt,
             theta["mlp"],
             state.params,
             grad,
             momentums,
             rms,
+            iteration,
             shared,
-            lopt.epsilon,
             normalize_epsilon=_FEATURE_EPSILON,
         )
 
@@ -188,10 +180,7 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
 
         updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
         following = state._replace(
-            params=optax.apply_updates(state.params, updates),
-            momentums=momentums,
-            rms=rms,
-            iteration=state.iteration + 1,
+            **advanced_fields(state, updates, momentums, rms),
             initial_loss=initial_loss,
             loss_ema=loss_ema,
         )
@@ -280,7 +269,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
     def num_global_features(self) -> int:
         """Width of the global features (12 with the defaults)."""
         loss = 2 if self.loss_features else 0
-        return len(self.timescales) + 1 + len(self.horizon_centers) + loss
+        return num_time_and_horizon_features(len(self.timescales), len(self.horizon_centers)) + loss
 
     @property
     def num_features(self) -> int:
@@ -289,11 +278,16 @@ class NormalizedMLPLOpt(LearnedOptimizer):
 
     def init(self, key: jax.Array) -> MetaParams:
         key_mlp, key_schedule = jax.random.split(key)
-        sizes = (self.num_features, *([self.hidden_size] * self.hidden_layers), 2)
         schedule_sizes = (self.num_global_features, self.schedule_hidden_size, 1)
         return {
             "log_lr": jnp.asarray(np.log(self.initial_lr), jnp.float32),
-            "mlp": mlp_init(key_mlp, sizes, output_init_scale=0.0),
+            "mlp": per_parameter_mlp_init(
+                key_mlp,
+                self.num_features,
+                self.hidden_size,
+                self.hidden_layers,
+                output_init_scale=0.0,
+            ),
             "schedule": mlp_init(key_schedule, schedule_sizes, output_init_scale=0.0),
         }
 
