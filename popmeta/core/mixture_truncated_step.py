@@ -155,10 +155,10 @@ class MixtureTruncatedStep(TruncatedStep):
         states, outs = zip(*results, strict=True)
         return tuple(states), self._out(list(outs), axis)
 
-    def unroll_step(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
-        self._check_no_data(data)
-        results = [
-            g.unroll_step(
+    def _on_groups(self, method: str, theta, unroll_state, key, outer_state, theta_is_vector):
+        """Each group's ``method`` on its theta and state, with ``fold_in(key, g)`` and no data."""
+        return [
+            getattr(g, method)(
                 self._theta(theta, i, theta_is_vector),
                 unroll_state[i],
                 jax.random.fold_in(key, i),
@@ -168,6 +168,12 @@ class MixtureTruncatedStep(TruncatedStep):
             )
             for i, g in enumerate(self.groups)
         ]
+
+    def unroll_step(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
+        self._check_no_data(data)
+        results = self._on_groups(
+            "unroll_step", theta, unroll_state, key, outer_state, theta_is_vector
+        )
         return self._joined(results, 0)
 
     def unroll_members(self, thetas, unroll_states, key, data, outer_state):
@@ -188,17 +194,9 @@ class MixtureTruncatedStep(TruncatedStep):
     def meta_loss_batch(self, theta, unroll_state, key, data, outer_state, theta_is_vector=False):
         self._check_no_data(data)
         return jnp.concatenate(
-            [
-                g.meta_loss_batch(
-                    self._theta(theta, i, theta_is_vector),
-                    unroll_state[i],
-                    jax.random.fold_in(key, i),
-                    None,
-                    outer_state,
-                    theta_is_vector,
-                )
-                for i, g in enumerate(self.groups)
-            ]
+            self._on_groups(
+                "meta_loss_batch", theta, unroll_state, key, outer_state, theta_is_vector
+            )
         )
 
     def trajectory_phase(self, unroll_state: tuple[Any, ...]) -> jax.Array:

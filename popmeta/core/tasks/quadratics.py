@@ -42,6 +42,11 @@ def _check_dim(dim: int) -> int:
     return int(dim)
 
 
+def _standard_normal(key: jax.Array, dim: int) -> jax.Array:
+    """``N(0, I)`` of shape ``[dim]``: every start ``p`` here, and every sampled target."""
+    return jax.random.normal(key, (dim,), jnp.float32)
+
+
 class QuadraticTask(Task):
     """``loss(p) = sum(p**2)`` with ``p ~ N(0, I)`` of shape ``[dim]``; data-free."""
 
@@ -49,15 +54,11 @@ class QuadraticTask(Task):
         self.dim = _check_dim(dim)
 
     def init(self, key: jax.Array) -> jax.Array:
-        return jax.random.normal(key, (self.dim,), jnp.float32)
+        return _standard_normal(key, self.dim)
 
     def loss(self, params: jax.Array, key: jax.Array, data: Batch) -> jax.Array:
         del key, data
         return jnp.sum(jnp.square(params))
-
-
-def _sample_target(key: jax.Array, dim: int) -> jax.Array:
-    return jax.random.normal(key, (dim,), jnp.float32)
 
 
 class _TargetQuadraticTask(Task):
@@ -68,7 +69,7 @@ class _TargetQuadraticTask(Task):
         self.dim = dim
 
     def init(self, key: jax.Array) -> jax.Array:
-        return jax.random.normal(key, (self.dim,), jnp.float32)
+        return _standard_normal(key, self.dim)
 
     def loss(self, params: jax.Array, key: jax.Array, data: Batch) -> jax.Array:
         del key, data
@@ -87,22 +88,18 @@ class FixedDimQuadraticFamily(TaskFamily):
         self.dim = _check_dim(dim)
 
     def sample(self, key: jax.Array) -> jax.Array:
-        return _sample_target(key, self.dim)
+        return _standard_normal(key, self.dim)
 
     def task_fn(self, task_params: jax.Array) -> Task:
         return _TargetQuadraticTask(task_params, self.dim)
 
 
-class _CurvedQuadraticTask(Task):
+class _CurvedQuadraticTask(_TargetQuadraticTask):
     """One member of :class:`CurvedQuadraticFamily`; its arrays may be traced."""
 
     def __init__(self, target: jax.Array, log_curvature: jax.Array, dim: int):
-        self.target = target
+        super().__init__(target, dim)
         self.log_curvature = log_curvature
-        self.dim = dim
-
-    def init(self, key: jax.Array) -> jax.Array:
-        return jax.random.normal(key, (self.dim,), jnp.float32)
 
     def loss(self, params: jax.Array, key: jax.Array, data: Batch) -> jax.Array:
         del key, data
@@ -141,7 +138,7 @@ class CurvedQuadraticFamily(TaskFamily):
         log_curvature = jax.random.uniform(
             key_curvature, (self.dim,), jnp.float32, minval=low, maxval=high
         )
-        return _sample_target(key_target, self.dim), log_curvature
+        return _standard_normal(key_target, self.dim), log_curvature
 
     def task_fn(self, task_params: tuple[jax.Array, jax.Array]) -> Task:
         target, log_curvature = task_params
@@ -199,7 +196,7 @@ class FixedDimQuadraticFamilyData(TaskFamily):
         )
 
     def sample(self, key: jax.Array) -> jax.Array:
-        return _sample_target(key, self.dim)
+        return _standard_normal(key, self.dim)
 
     def task_fn(self, task_params: jax.Array) -> Task:
         return _NoisyTargetQuadraticTask(self, task_params)
