@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from popmeta.actors.records import ActorInfo
 from popmeta.config import Config
 from popmeta.evaluate import (
     BaselineCache,
@@ -256,12 +257,12 @@ def open_population(
             population.close()
 
 
-def _placement(config: Config, actors: list[dict[str, Any]]) -> str:
+def _placement(config: Config, actors: list[ActorInfo]) -> str:
     if config.population.engine == "local":
         return f"{len(actors)} worker(s) in this process, one after another (local engine)"
-    nodes = {actor["node_id"] for actor in actors}
+    nodes = {actor.node_id for actor in actors}
     text = f"{len(actors)} actor(s) on {len(nodes)} node(s)"
-    pinned = [actor.get("pinned_cores") for actor in actors]
+    pinned = [actor.pinned_cores for actor in actors]
     if any(pinned):
         text += ", pinned to cores " + " ".join(str(cores) for cores in pinned)
     return text

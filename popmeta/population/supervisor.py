@@ -638,7 +638,7 @@ class ActorSupervisor:
                 "calls took at most %.3gs lately; it is replaced at %.1fs unless it answers",
                 actor.rank,
                 actor.restart,
-                (actor.info or {}).get("pid", "?"),
+                getattr(actor.info, "pid", "?"),
                 now - actor.silent_since,
                 max(self._call_seconds, default=0.0),
                 self.timeout_for(),

@@ -7,18 +7,29 @@ ready and compiled within seconds.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+import ray
 
+from popmeta.actors.records import ActorInfo
 from popmeta.config import Config, config_from_dict
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Gathered, Population
 from popmeta.population.ray_runtime import quiet_fork
 
-__all__ = ["CALL_TIMEOUT_S", "quiet_fork", "run_updates", "tiny_config", "tree_bytes"]
+__all__ = [
+    "CALL_TIMEOUT_S",
+    "quiet_fork",
+    "run_updates",
+    "stand_in_info",
+    "tiny_config",
+    "tree_bytes",
+]
 
 #: Longest wait for one estimate in tests: far above a tiny call (ms) plus a
 #: first compile (seconds), far below the pytest timeouts.
@@ -82,3 +93,18 @@ def run_updates(
 def tree_bytes(tree: Any) -> list[bytes]:
     """The exact bits of every leaf, for bitwise comparisons."""
     return [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+def stand_in_info(rank: int, restart: int) -> ActorInfo:
+    """What a stand-in actor that computes no estimate reports from its ``info()``."""
+    return ActorInfo(
+        rank=rank,
+        restart=restart,
+        node_id=ray.get_runtime_context().get_node_id(),
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        pinned_cores=None,
+        num_devices=0,
+        num_tasks=0,
+        steps_per_estimate=0,
+    )
