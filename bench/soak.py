@@ -463,7 +463,7 @@ def time_to_first_estimate(config: Config, kills: int) -> list[float]:
         for version in range(1, kills + 1):
             (info,) = population.describe_actors()
             start = time.monotonic()
-            os.kill(info["pid"], signal.SIGKILL)
+            os.kill(info.pid, signal.SIGKILL)
             # Sync with one actor: the round waits for the replacement's estimate.
             gathered = population.gather(learner.theta(), version)
             seconds.append(time.monotonic() - start)

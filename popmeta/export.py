@@ -24,7 +24,8 @@ from popmeta.config import ConfigError, LearnedOptimizerConfig, config_from_dict
 from popmeta.core.learned_optimizers import LearnedOptimizer, as_optax
 from popmeta.evaluate import load_theta
 from popmeta.experiment import build_learned_optimizer
-from popmeta.learner.checkpoints import load_checkpoint, read_checkpoint_metadata, save_tree
+from popmeta.learner.checkpoint_file import load_checkpoint, read_checkpoint_metadata, save_tree
+from popmeta.learner.checkpoint_layout import RunMetadata
 
 __all__ = [
     "FORMAT",
@@ -106,7 +107,8 @@ def read_trained_optimizer(path: str | Path) -> TrainedOptimizer:
                 f"{path}: its theta does not fit learned_optimizer.kind={section.kind!r} ({err})"
             ) from None
         return TrainedOptimizer(lopt, theta, section, dict(header.get("source", {})))
-    if not isinstance(header.get("config"), dict):
+    run = RunMetadata.from_header(header)
+    if run.config is None:
         raise ValueError(
             f"{path} is neither a learned optimizer exported by `popmeta export` nor a "
             "checkpoint written by `popmeta train`"
@@ -114,9 +116,9 @@ def read_trained_optimizer(path: str | Path) -> TrainedOptimizer:
     config, theta = load_theta(path)  # a training checkpoint
     source = {
         "run": config.name,
-        "step": header["step"],
+        "step": run.step,
         "checkpoint": str(path),
-        "module_dirs": header.get("module_dirs", []),
+        "module_dirs": list(run.module_dirs),
     }
     section = config.learned_optimizer
     return TrainedOptimizer(build_learned_optimizer(section), theta, section, source)

@@ -1,44 +1,41 @@
-"""A run's checkpoints: what each holds, which one a run resumes from, which are written.
+"""A run's checkpoints: which one a run resumes from, and which are written.
 
-A run's checkpoint is one file (:mod:`popmeta.learner.checkpoints`) with the
-learner and, in its optional section ``workers``, every worker's exported
-state by rank. A run resumes from its newest checkpoint whose every section
-reads back intact: damaged newer files are moved aside, kept for repair and
-out of the way of keep-last-K. When every checkpoint is damaged the start is
-refused and nothing is touched. A checkpoint is never written with a
-non-finite value: non-finite worker states leave the workers out, and a
-non-finite learner (theta or its optimizer state) is not written at all.
+A run's checkpoint is one file with the learner and, in its optional section
+``workers``, every worker's exported state by rank (its layout is
+:mod:`popmeta.learner.checkpoint_layout`). A run resumes from its newest
+checkpoint whose every section reads back intact: damaged newer files are
+moved aside, kept for repair and out of the way of keep-last-K. When every
+checkpoint is damaged the start is refused and nothing is touched. A
+checkpoint is never written with a non-finite value: non-finite worker states
+leave the workers out, and a non-finite learner (theta or its optimizer
+state) is not written at all.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import jax
 import numpy as np
 
-from popmeta.learner.checkpoints import (
-    Checkpoint,
-    CheckpointCorruptedError,
-    checkpoint_path,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
+from popmeta.actors.records import WorkerState
+from popmeta.learner.checkpoint_file import CheckpointCorruptedError
+from popmeta.learner.checkpoint_layout import (
+    RunCheckpoint,
+    load_run_checkpoint,
+    save_run_checkpoint,
 )
+from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.run_dir import RunDirectory, RunDirectoryError
 
-__all__ = ["WORKERS", "RunCheckpoints", "all_finite"]
+__all__ = ["RunCheckpoints", "all_finite"]
 
 log = logging.getLogger("popmeta")
-
-#: The checkpoint section with the workers' exported states, by rank: optional,
-#: so readers that need only the learner (evaluation) leave it out.
-WORKERS = "workers"
 
 
 def all_finite(tree: Any) -> bool:
@@ -61,7 +58,9 @@ class RunCheckpoints:
         (:func:`~popmeta.actors.worker.exported_state_template`), traced only
         when a checkpoint with worker states is read.
       keep: how many checkpoints to keep (``train.keep_checkpoints``).
-      metadata: written with each checkpoint (the run's config, for ``popmeta eval``).
+      config: the run's config as a dict, written with each checkpoint (for
+        ``popmeta eval`` and ``popmeta export``).
+      module_dirs: where the config's kinds of the user's were found.
       learned_optimizer: the configured kind, named when a checkpoint does not fit it.
       stream: where resume messages go.
     """
@@ -72,21 +71,23 @@ class RunCheckpoints:
         worker_template: Callable[[], Any],
         *,
         keep: int,
-        metadata: Mapping[str, Any],
+        config: Mapping[str, Any],
+        module_dirs: Sequence[str],
         learned_optimizer: str,
         stream: TextIO,
     ):
         self.run = run
         self.worker_template = worker_template
         self.keep = keep
-        self.metadata = dict(metadata)
+        self.config = dict(config)
+        self.module_dirs = list(module_dirs)
         self.learned_optimizer = learned_optimizer
         self.stream = stream
         self.saved_step: int | None = None
 
     # ------------------------------------------------------------------ resume
 
-    def restore(self, learner: Learner, from_checkpoint: Path | None) -> dict[int, Any]:
+    def restore(self, learner: Learner, from_checkpoint: Path | None) -> dict[int, WorkerState]:
         """Restores ``learner`` from ``from_checkpoint``, else from the newest intact checkpoint.
 
         Returns:
@@ -120,14 +121,14 @@ class RunCheckpoints:
             if damaged:
                 self._move_aside(damaged, restored[0].path)
             checkpoint, states = restored
-            learner.restore(checkpoint.tree)
+            learner.restore(checkpoint.learner)
             print(f"resumed from {checkpoint.path} at step {learner.version}", file=self.stream)
             return states
         if damaged:
             raise RunDirectoryError(self._all_damaged(damaged))
         return {}
 
-    def _load(self, learner: Learner, path: Path) -> tuple[Checkpoint, dict[int, Any]]:
+    def _load(self, learner: Learner, path: Path) -> tuple[RunCheckpoint, dict[int, WorkerState]]:
         """The learner part of ``path`` and its worker states; any damage raises.
 
         Raises:
@@ -135,7 +136,7 @@ class RunCheckpoints:
           RunDirectoryError: the learner part does not fit this config.
         """
         try:
-            learner_part = load_checkpoint(path, learner.checkpoint_tree())
+            learner_part = load_run_checkpoint(path, learner.checkpoint_tree())
         except CheckpointCorruptedError:
             raise
         except ValueError as err:
@@ -146,15 +147,15 @@ class RunCheckpoints:
             ) from None
         return learner_part, self._worker_states(learner, learner_part)
 
-    def _worker_states(self, learner: Learner, learner_part: Checkpoint) -> dict[int, Any]:
-        ranks = learner_part.metadata.get("worker_ranks", [])
-        if not ranks:
+    def _worker_states(
+        self, learner: Learner, learner_part: RunCheckpoint
+    ) -> dict[int, WorkerState]:
+        if not learner_part.metadata.worker_ranks:
             return {}
         template = self.worker_template()
-        target = {**learner.checkpoint_tree(), WORKERS: {str(rank): template for rank in ranks}}
         path = learner_part.path
         try:
-            tree = load_checkpoint(path, target).tree
+            states = load_run_checkpoint(path, learner.checkpoint_tree(), template).workers
         except CheckpointCorruptedError:
             raise
         except ValueError as err:
@@ -164,7 +165,6 @@ class RunCheckpoints:
                 file=self.stream,
             )
             return {}
-        states = {int(rank): state for rank, state in tree[WORKERS].items()}
         if not all_finite(states):
             # Written before popmeta refused non-finite states (a diverged run).
             print(
@@ -197,7 +197,9 @@ class RunCheckpoints:
 
     # ------------------------------------------------------------------ write
 
-    def save(self, learner: Learner, export_worker_states: Callable[[], Mapping[int, Any]]) -> None:
+    def save(
+        self, learner: Learner, export_worker_states: Callable[[], Mapping[int, WorkerState]]
+    ) -> None:
         """Writes the checkpoint of ``learner``'s step, with the workers' states if they are usable.
 
         Nothing is written when this start already saved this step, when the
@@ -217,8 +219,8 @@ class RunCheckpoints:
         step = learner.version
         if self.saved_step == step:
             return
-        tree = learner.checkpoint_tree()
-        if not all_finite(tree):
+        learner_part = learner.checkpoint_tree()
+        if not all_finite(learner_part):
             log.warning("step %d: theta or its optimizer state is not finite; no checkpoint", step)
             return
         try:
@@ -231,15 +233,13 @@ class RunCheckpoints:
             states = {}
         if not states and checkpoint_path(self.run.checkpoints, step).exists():
             return
-        if states:
-            tree[WORKERS] = {str(rank): state for rank, state in states.items()}
-        save_checkpoint(
+        save_run_checkpoint(
             self.run.checkpoints,
-            step,
-            tree,
+            learner_part,
+            states,
+            self.config,
+            self.module_dirs,
             keep=self.keep,
-            metadata={**self.metadata, "worker_ranks": sorted(states)},
-            optional=(WORKERS,) if states else (),
         )
         self.saved_step = step
         self.run.sync()

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from popmeta.actors.records import ActorInfo
 from popmeta.actors.worker import exported_state_template
 from popmeta.config import Config, config_to_dict, module_dirs
 from popmeta.evaluate import (
@@ -139,12 +140,12 @@ class _Progress:
             self.bar.close()
 
 
-def _placement(config: Config, actors: list[dict[str, Any]]) -> str:
+def _placement(config: Config, actors: list[ActorInfo]) -> str:
     if config.population.engine == "local":
         return f"{len(actors)} worker(s) in this process, one after another (local engine)"
-    nodes = {actor["node_id"] for actor in actors}
+    nodes = {actor.node_id for actor in actors}
     text = f"{len(actors)} actor(s) on {len(nodes)} node(s)"
-    pinned = [actor.get("pinned_cores") for actor in actors]
+    pinned = [actor.pinned_cores for actor in actors]
     if any(pinned):
         text += ", pinned to cores " + " ".join(str(cores) for cores in pinned)
     return text
@@ -220,7 +221,8 @@ def _start(
             run,
             functools.partial(exported_state_template, experiment.worker, experiment.estimator),
             keep=config.train.keep_checkpoints,
-            metadata={"config": config_to_dict(config), "module_dirs": module_dirs(config)},
+            config=config_to_dict(config),
+            module_dirs=module_dirs(config),
             learned_optimizer=config.learned_optimizer.kind,
             stream=stream,
         )

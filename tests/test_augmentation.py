@@ -21,7 +21,8 @@ from popmeta.experiment import (
     build_truncated_step,
     learner_start,
 )
-from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint
+from popmeta.learner.checkpoint_layout import load_run_checkpoint
+from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.run_loop import train
 from tests.local_run import local_config
@@ -95,7 +96,7 @@ def _generalist_like(run_dir: Path, name: str, num_steps: int):
 
 def _final_checkpoint(config):
     path = list_checkpoints(Path(config.run_dir) / config.name / "checkpoints")[-1]
-    return load_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
+    return load_run_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
 
 
 def test_a_rescaled_log_uniform_run_of_the_normalized_optimizer_continues_bit_for_bit(tmp_path):
@@ -107,6 +108,6 @@ def test_a_rescaled_log_uniform_run_of_the_normalized_optimizer_continues_bit_fo
     train(dataclasses.replace(extended, train=straight.train), stream=out)
     assert "resumed from" in out.getvalue()
     a, b = _final_checkpoint(straight), _final_checkpoint(extended)
-    assert a.step == b.step == 6
-    assert tree_bytes(a.tree["theta"]) == tree_bytes(b.tree["theta"])
-    assert np.all(np.isfinite(np.asarray(a.tree["theta"]["log_lr"])))
+    assert a.metadata.step == b.metadata.step == 6
+    assert tree_bytes(a.learner.theta) == tree_bytes(b.learner.theta)
+    assert np.all(np.isfinite(np.asarray(a.learner.theta["log_lr"])))

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from popmeta.cli import main
-from popmeta.learner.checkpoints import list_checkpoints, read_checkpoint_metadata
+from popmeta.learner.checkpoint_file import read_checkpoint_metadata
+from popmeta.learner.checkpoints import list_checkpoints
 from tests.events import read_events, read_scalars
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,12 +20,9 @@ import popmeta as pm
 from popmeta.cli import main
 from popmeta.experiment import learner_start
 from popmeta.export import FORMAT, FORMAT_VERSION
-from popmeta.learner.checkpoints import (
-    list_checkpoints,
-    load_checkpoint,
-    read_checkpoint_metadata,
-    save_tree,
-)
+from popmeta.learner.checkpoint_file import read_checkpoint_metadata, save_tree
+from popmeta.learner.checkpoint_layout import load_run_checkpoint
+from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.learner.learner import Learner
 from tests.local_run import local_config
 from tests.population import tree_bytes
@@ -212,9 +209,9 @@ def test_export_writes_a_file_that_loads_without_the_run_and_trains_a_model(
     assert "hidden_size" in header["learned_optimizer"]
     assert header["popmeta_version"] and header["source"]["step"] == 4
 
-    saved = load_checkpoint(checkpoint, Learner.of(learner_start(config)).checkpoint_tree()).tree[
-        "theta"
-    ]
+    saved = load_run_checkpoint(
+        checkpoint, Learner.of(learner_start(config)).checkpoint_tree()
+    ).learner.theta
     moved = tmp_path / "elsewhere.npz"
     shutil.copy(out, moved)  # no run directory beside it
     trained = pm.read_trained_optimizer(moved)

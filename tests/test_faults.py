@@ -34,7 +34,8 @@ import pytest
 from popmeta.cli import EX_IOERR
 from popmeta.config import ConfigError, config_to_yaml
 from popmeta.experiment import learner_start
-from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint
+from popmeta.learner.checkpoint_layout import load_run_checkpoint
+from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
 from popmeta.run_dir import RunDirectoryError
@@ -261,7 +262,7 @@ def _assert_checkpoints_intact(run_dir: Path, config, steps: list[int]) -> None:
         f"ckpt_{step:08d}.npz" for step in steps
     ]
     for path in list_checkpoints(checkpoints):
-        load_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
+        load_run_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
 
 
 def test_a_full_disk_stops_the_run_with_its_checkpoints_intact_and_a_rerun_resumes(

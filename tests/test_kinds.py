@@ -21,7 +21,8 @@ import popmeta as pm
 from popmeta.config import ConfigError, config_from_dict, config_to_dict, load_config
 from popmeta.evaluate import load_theta
 from popmeta.experiment import build_outer_optimizer, build_task_family, learner_start
-from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint
+from popmeta.learner.checkpoint_layout import load_run_checkpoint
+from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.registry import TASK_FAMILIES
 from tests.population import tree_bytes
@@ -100,10 +101,10 @@ def test_an_old_run_resumes_bit_for_bit_and_its_checkpoint_evaluates(tmp_path):
     pm.train(straight, stream=io.StringIO())
     target = Learner.of(learner_start(straight)).checkpoint_tree()
     ends = [
-        load_checkpoint(list_checkpoints(root / "oldformat" / "checkpoints")[-1], target)
+        load_run_checkpoint(list_checkpoints(root / "oldformat" / "checkpoints")[-1], target)
         for root in (tmp_path, tmp_path / "straight")
     ]
-    assert resumed.final_step == 6 and tree_bytes(ends[0].tree) == tree_bytes(ends[1].tree)
+    assert resumed.final_step == 6 and tree_bytes(ends[0].learner) == tree_bytes(ends[1].learner)
     config, theta = load_theta(OLD_RUN / "oldformat" / "checkpoints" / "ckpt_00000004.npz")
     assert config.learned_optimizer.kind == "learnable_adam" and set(theta) >= {"log_lr"}
 

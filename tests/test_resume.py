@@ -26,13 +26,13 @@ import pytest
 from popmeta.actors.worker import EstimatorWorker, exported_state_template
 from popmeta.config import Config, config_to_yaml
 from popmeta.experiment import EstimatorSections, WorkerSpec, initial_theta, learner_start
-from popmeta.learner.checkpoints import (
-    Checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    read_checkpoint_metadata,
-    save_checkpoint,
+from popmeta.learner.checkpoint_file import load_checkpoint
+from popmeta.learner.checkpoint_layout import (
+    RunCheckpoint,
+    load_run_checkpoint,
+    read_run_metadata,
 )
+from popmeta.learner.checkpoints import list_checkpoints, save_checkpoint
 from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
@@ -79,16 +79,11 @@ def _stopping(make: Any, at_version: int) -> Any:
     return lambda config: _Interrupting(make(config), at_version)
 
 
-def _final(config: Config) -> Checkpoint:
+def _final(config: Config) -> RunCheckpoint:
     """The run's newest checkpoint, learner and worker states."""
     path = list_checkpoints(Path(config.run_dir) / config.name / "checkpoints")[-1]
-    ranks = read_checkpoint_metadata(path)["worker_ranks"]
-    template = exported_state_template(WorkerSpec.of(config))
-    target = {
-        **Learner.of(learner_start(config)).checkpoint_tree(),
-        "workers": {str(rank): template for rank in ranks},
-    }
-    return load_checkpoint(path, target)
+    learner = Learner.of(learner_start(config)).checkpoint_tree()
+    return load_run_checkpoint(path, learner, exported_state_template(WorkerSpec.of(config)))
 
 
 def _train(config: Config, factory: Any) -> str:
@@ -98,22 +93,24 @@ def _train(config: Config, factory: Any) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Checkpoint:
+def reference(tmp_path_factory) -> RunCheckpoint:
     """The final checkpoint of a local run of ``NUM_STEPS`` steps, never stopped before."""
     config = _config(tmp_path_factory.mktemp("reference"), "reference")
     # Stopped during its last step: the same checkpoint, without the evaluation.
     _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
     final = _final(config)
-    assert final.step == NUM_STEPS
-    assert final.metadata["worker_ranks"] == [0, 1]
+    assert final.metadata.step == NUM_STEPS
+    assert final.metadata.worker_ranks == (0, 1)
     return final
 
 
-def _assert_bitwise_equal(a: Checkpoint, b: Checkpoint) -> None:
-    assert a.step == b.step
-    assert list(a.tree["workers"]) == list(b.tree["workers"]) == ["0", "1"]
-    for section in ("theta", "opt_state", "step", "rng", "workers"):
-        assert tree_bytes(a.tree[section]) == tree_bytes(b.tree[section]), section
+def _assert_bitwise_equal(a: RunCheckpoint, b: RunCheckpoint) -> None:
+    assert a.metadata.step == b.metadata.step
+    assert list(a.workers) == list(b.workers) == [0, 1]
+    for name, section in a.learner._asdict().items():
+        assert tree_bytes(section) == tree_bytes(getattr(b.learner, name)), name
+    for rank, state in a.workers.items():
+        assert tree_bytes(state) == tree_bytes(b.workers[rank]), rank
 
 
 # ---------------------------------------------------------------------- worker
@@ -208,8 +205,8 @@ def test_local_run_stopped_at_a_non_multiple_step_resumes_bitwise(tmp_path, refe
     # SIGINT during the gather of version 2: the run stops after step 3.
     first = _train(config, _stopping(LocalPopulation, 2))
     assert "interrupted (SIGINT) at step 3:" in first and "ckpt_00000003.npz is saved" in first
-    stopped = _final(config)
-    assert (stopped.step, stopped.metadata["worker_ranks"]) == (3, [0, 1])
+    stopped = _final(config).metadata
+    assert (stopped.step, stopped.worker_ranks) == (3, (0, 1))
 
     resumed = _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
     assert "resumed from" in resumed and "ckpt_00000003.npz at step 3" in resumed
@@ -233,10 +230,10 @@ def test_second_ctrl_c_mid_round_keeps_the_checkpoint_of_the_round_boundary(tmp_
         return population
 
     _train(config, factory)
-    kept = _final(config)
+    kept = _final(config).metadata
     # Step 4 was checkpointed at its boundary (checkpoint_every=2), with the
     # workers; the interrupted round did not overwrite it.
-    assert (kept.step, kept.metadata["worker_ranks"]) == (4, [0, 1])
+    assert (kept.step, kept.worker_ranks) == (4, (0, 1))
     _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
     _assert_bitwise_equal(_final(config), reference)
 
@@ -247,14 +244,15 @@ def test_checkpoints_without_worker_states_still_resume(tmp_path, reference):
     # Rewrite the newest checkpoint as checkpoints were before worker states:
     # the learner's tree only, no optional section, no worker_ranks.
     path = list_checkpoints(tmp_path / "old" / "checkpoints")[-1]
-    learner_only = load_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
-    save_checkpoint(path.parent, learner_only.step, learner_only.tree, metadata={})
+    learner_only = load_run_checkpoint(path, Learner.of(learner_start(config)).checkpoint_tree())
+    step = learner_only.metadata.step
+    save_checkpoint(path.parent, step, learner_only.learner._asdict(), metadata={})
     out = _train(config, _stopping(LocalPopulation, NUM_STEPS - 1))
     assert "at step 3" in out and "worker states restored" not in out
     final = _final(config)
-    assert final.step == NUM_STEPS
+    assert final.metadata.step == NUM_STEPS
     # The workers started afresh, so theta went elsewhere: what the states are for.
-    assert tree_bytes(final.tree["theta"]) != tree_bytes(reference.tree["theta"])
+    assert tree_bytes(final.learner.theta) != tree_bytes(reference.learner.theta)
 
 
 def test_a_take_over_with_another_estimator_starts_the_workers_afresh(tmp_path):
@@ -266,7 +264,7 @@ def test_a_take_over_with_another_estimator_starts_the_workers_afresh(tmp_path):
     train(other, _stopping(LocalPopulation, 3), stream=out, from_checkpoint=path)
     text = out.getvalue()
     assert "do not fit this config" in text and "every worker starts afresh" in text
-    assert _final(other).step == 4
+    assert _final(other).metadata.step == 4
 
 
 # ---------------------------------------------------------------------- Ray engine
@@ -282,7 +280,7 @@ def test_ray_sync_run_stopped_at_a_non_multiple_step_resumes_bitwise(
 ):
     config = _ray_config(tmp_path, "ray")
     _train(config, _stopping(RayPopulation, 2))
-    assert _final(config).step == 3
+    assert _final(config).metadata.step == 3
     # Fresh actor processes continue from the saved states.
     resumed = _train(config, _stopping(RayPopulation, NUM_STEPS - 1))
     assert "worker states restored: rank(s) [0, 1]" in resumed
@@ -312,13 +310,13 @@ def test_ray_async_actors_take_their_saved_states_where_they_fit(ray_session, tm
         saved = population.export_worker_states()
     assert sorted(saved) == [0, 1]
     # The actor that answered first in the last gather was given version 2 at once.
-    assert max(int(state["last_version"]) for state in saved.values()) == 2
+    assert max(int(state.last_version) for state in saved.values()) == 2
 
-    wrong = dict(saved[1], key=np.zeros(5, np.uint32))
+    wrong = saved[1]._replace(key=np.zeros(5, np.uint32))
     with ray_population(config) as population:
         outcome = population.load_worker_states({0: saved[0], 1: wrong, 7: saved[0]})
         assert outcome.restored == (0,)
-        assert list(outcome.fresh) == [1] and "['key']: expected uint32[2]" in outcome.fresh[1]
+        assert list(outcome.fresh) == [1] and ".key: expected uint32[2]" in outcome.fresh[1]
         assert outcome.unused == (7,)
         again = population.export_worker_states()
     assert tree_bytes(again[0]) == tree_bytes(saved[0])
@@ -352,7 +350,7 @@ def test_driver_killed_after_a_checkpoint_resumes_bitwise(tmp_path):
         driver.communicate(timeout=60)
     assert driver.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     killed_at = list_checkpoints(checkpoints)[-1]
-    assert read_checkpoint_metadata(killed_at)["step"] < steps
+    assert read_run_metadata(killed_at).step < steps
 
     rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
@@ -362,6 +360,5 @@ def test_driver_killed_after_a_checkpoint_resumes_bitwise(tmp_path):
     never_killed = dataclasses.replace(config, name="never")
     _train(never_killed, _stopping(LocalPopulation, steps - 1))
     a, b = _final(config), _final(never_killed)
-    assert a.step == b.step == steps
-    for section in ("theta", "opt_state", "rng", "workers"):
-        assert tree_bytes(a.tree[section]) == tree_bytes(b.tree[section]), section
+    assert a.metadata.step == steps
+    _assert_bitwise_equal(a, b)

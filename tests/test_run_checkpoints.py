@@ -21,15 +21,16 @@ import pytest
 from popmeta.actors.worker import exported_state_template
 from popmeta.config import config_to_dict
 from popmeta.experiment import WorkerSpec, learner_start
-from popmeta.learner.checkpoints import (
-    list_checkpoints,
-    load_checkpoint,
-    read_checkpoint_metadata,
-    save_checkpoint,
+from popmeta.learner.checkpoint_layout import (
+    WORKERS,
+    load_run_checkpoint,
+    read_run_metadata,
+    save_run_checkpoint,
 )
+from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.local import LocalPopulation
-from popmeta.run_checkpoints import WORKERS, RunCheckpoints, all_finite
+from popmeta.run_checkpoints import RunCheckpoints, all_finite
 from popmeta.run_dir import RunDirectory, RunDirectoryError
 from popmeta.run_loop import DivergedError, train
 from tests.local_run import local_config
@@ -90,7 +91,7 @@ def test_a_damaged_workers_section_resumes_bitwise_from_the_checkpoint_before(fi
     newest = run / "checkpoints" / "ckpt_00000004.npz"
     damaged = _flip_a_byte_of(newest, f"['{WORKERS}']")
     # A reader of the learner alone (evaluation) does not even see the damage.
-    load_checkpoint(newest, Learner.of(learner_start(_config(tmp_path))).checkpoint_tree())
+    load_run_checkpoint(newest, Learner.of(learner_start(_config(tmp_path))).checkpoint_tree())
 
     stream = io.StringIO()
     resumed = train(_config(tmp_path, num_steps=6), stream=stream)
@@ -105,10 +106,10 @@ def test_a_damaged_workers_section_resumes_bitwise_from_the_checkpoint_before(fi
     train(straight, stream=io.StringIO())
     learner = Learner.of(learner_start(straight))
     ends = [
-        load_checkpoint(root / "checkpoints" / "ckpt_00000006.npz", learner.checkpoint_tree())
+        load_run_checkpoint(root / "checkpoints" / "ckpt_00000006.npz", learner.checkpoint_tree())
         for root in (run, tmp_path / "straight" / "ckpts")
     ]
-    assert tree_bytes(ends[0].tree) == tree_bytes(ends[1].tree)
+    assert tree_bytes(ends[0].learner) == tree_bytes(ends[1].learner)
 
 
 def _times(tree: Any, factor: float) -> Any:
@@ -129,7 +130,7 @@ class Diverging(LocalPopulation):
             return gathered
         for worker in self.workers:
             state = worker.export_state()
-            worker.load_state({**state, "state": _times(state["state"], np.nan)})
+            worker.load_state(state._replace(state=_times(state.state, np.nan)))
         estimates = [e._replace(grad=_times(e.grad, np.nan)) for e in gathered.estimates]
         return gathered._replace(estimates=estimates)
 
@@ -143,9 +144,8 @@ def test_a_diverging_run_keeps_its_good_checkpoints_and_names_one_that_exists(tm
     assert [p.name for p in checkpoints] == [f"ckpt_0000000{s}.npz" for s in (2, 4, 6)]
     learner = Learner.of(learner_start(config))
     for path in checkpoints:
-        ranks = read_checkpoint_metadata(path)["worker_ranks"]
-        assert ranks == [0, 1]
-        assert all_finite(load_checkpoint(path, learner.checkpoint_tree()).tree)
+        assert read_run_metadata(path).worker_ranks == (0, 1)
+        assert all_finite(load_run_checkpoint(path, learner.checkpoint_tree()).learner)
     assert f"--from-checkpoint {checkpoints[-1]}" in str(info.value)
     # The same command with workers that behave resumes from it and trains on.
     stream = io.StringIO()
@@ -161,7 +161,8 @@ def test_a_checkpoint_never_holds_a_non_finite_value(finished, tmp_path, caplog)
         run,
         lambda: exported_state_template(WorkerSpec.of(config)),
         keep=config.train.keep_checkpoints,
-        metadata={"config": config_to_dict(config)},
+        config=config_to_dict(config),
+        module_dirs=[],
         learned_optimizer=config.learned_optimizer.kind,
         stream=io.StringIO(),
     )
@@ -171,12 +172,12 @@ def test_a_checkpoint_never_holds_a_non_finite_value(finished, tmp_path, caplog)
 
     def poisoned():
         state = good[1]
-        return {**good, 1: {**state, "state": _times(state["state"], math.inf)}}
+        return {**good, 1: state._replace(state=_times(state.state, math.inf))}
 
     learner.state = learner.state.replace(step=learner.state.step + 1)
     checkpoints.save(learner, poisoned)
     written = run_path / "checkpoints" / "ckpt_00000005.npz"
-    assert read_checkpoint_metadata(written)["worker_ranks"] == []  # saved without the workers
+    assert read_run_metadata(written).worker_ranks == ()  # saved without the workers
     assert "some worker states are not finite" in caplog.text
 
     learner.state = learner.state.replace(
@@ -193,14 +194,17 @@ def test_worker_states_saved_non_finite_by_an_older_popmeta_start_afresh(finishe
     newest = run / "checkpoints" / "ckpt_00000004.npz"
     config = _config(tmp_path, num_steps=6)
     learner = Learner.of(learner_start(config))
-    metadata = read_checkpoint_metadata(newest)
-    template = exported_state_template(WorkerSpec.of(config))
-    workers = {str(rank): template for rank in metadata["worker_ranks"]}
-    tree = load_checkpoint(newest, {**learner.checkpoint_tree(), WORKERS: workers}).tree
-    for state in tree[WORKERS].values():
-        state["state"] = _times(state["state"], np.nan)
-    del metadata["step"]
-    save_checkpoint(newest.parent, 4, tree, keep=None, metadata=metadata, optional=(WORKERS,))
+    saved = load_run_checkpoint(
+        newest, learner.checkpoint_tree(), exported_state_template(WorkerSpec.of(config))
+    )
+    poisoned = {
+        rank: state._replace(state=_times(state.state, np.nan))
+        for rank, state in saved.workers.items()
+    }
+    metadata = saved.metadata
+    save_run_checkpoint(
+        newest.parent, saved.learner, poisoned, metadata.config, metadata.module_dirs, keep=None
+    )
     stream = io.StringIO()
     assert train(config, stream=stream).final_step == 6
     assert "are not finite; every worker starts afresh" in stream.getvalue()

@@ -8,7 +8,8 @@ import pytest
 
 import popmeta
 from popmeta.experiment import WorkerSpec, learner_start
-from popmeta.learner.checkpoints import list_checkpoints, load_checkpoint, read_checkpoint_metadata
+from popmeta.learner.checkpoint_layout import load_run_checkpoint, read_run_metadata
+from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.engines import open_population
 from popmeta.population.local import LocalPopulation
@@ -44,7 +45,7 @@ def test_a_failing_shutdown_keeps_the_final_checkpoint_and_the_events(tmp_path):
     (checkpoint,) = list_checkpoints(run_dir / "checkpoints")
     assert checkpoint.name == "ckpt_00000006.npz"
     # Written while the population was still up: both workers' states are in it.
-    assert read_checkpoint_metadata(checkpoint)["worker_ranks"] == [0, 1]
+    assert read_run_metadata(checkpoint).worker_ranks == (0, 1)
     assert [step for step, _ in read_scalars(run_dir)["meta_loss"]] == [2, 4, 6]
 
 
@@ -53,8 +54,8 @@ def test_the_local_engine_needs_no_ray_and_reports_its_workers(tmp_path):
     with open_population(config.population, WorkerSpec.of(config)) as population:
         assert isinstance(population, LocalPopulation)
         actors = population.describe_actors()
-        assert [a["rank"] for a in actors] == [0, 1]
-        assert {a["node_id"] for a in actors} == {"local"}
+        assert [a.rank for a in actors] == [0, 1]
+        assert {a.node_id for a in actors} == {"local"}
     assert population.workers == []  # closed on exit
     stream = io.StringIO()
     result = train(config, stream=stream)
@@ -72,8 +73,10 @@ def test_popmeta_train_from_python_returns_theta_and_the_newest_checkpoint(tmp_p
     result = popmeta.train(config, stream=io.StringIO())
     assert isinstance(result, popmeta.RunResult) and result.final_step == 6
     assert result.checkpoint == tmp_path / "owner" / "checkpoints" / "ckpt_00000006.npz"
-    saved = load_checkpoint(result.checkpoint, Learner.of(learner_start(config)).checkpoint_tree())
-    assert tree_bytes(result.theta) == tree_bytes(saved.tree["theta"])
+    saved = load_run_checkpoint(
+        result.checkpoint, Learner.of(learner_start(config)).checkpoint_tree()
+    )
+    assert tree_bytes(result.theta) == tree_bytes(saved.learner.theta)
     # A second call finds the run finished: the same theta, nothing trained.
     again = popmeta.train(config, stream=io.StringIO())
     assert again.already_finished and tree_bytes(again.theta) == tree_bytes(result.theta)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from popmeta.export import FORMAT
-from popmeta.learner.checkpoints import read_checkpoint_metadata
+from popmeta.learner.checkpoint_file import read_checkpoint_metadata
 from tests.test_tutorial import code_blocks, run_doc_in
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "using-a-learned-optimizer.md"

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 
+from popmeta.actors.records import ActorInfo, WorkerState
 from popmeta.estimate import Estimate
 
 if TYPE_CHECKING:  # imported by the worker only once the process is pinned
@@ -234,7 +235,7 @@ class EstimatorActor:
         """
         return self._worker.compute(theta, version)
 
-    def export_state(self) -> dict[str, Any] | None:
+    def export_state(self) -> WorkerState | None:
         """The worker's :meth:`~popmeta.actors.worker.EstimatorWorker.export_state`.
 
         Runs after the calls queued before it, so it is the state those calls
@@ -242,7 +243,7 @@ class EstimatorActor:
         """
         return self._worker.export_state()
 
-    def load_state(self, exported: dict[str, Any]) -> None:
+    def load_state(self, exported: WorkerState) -> None:
         """The worker continues from ``exported``; see
         :meth:`~popmeta.actors.worker.EstimatorWorker.load_state`.
 
@@ -251,21 +252,8 @@ class EstimatorActor:
         """
         self._worker.load_state(exported)
 
-    def info(self) -> dict[str, Any]:
-        """Where and how this actor runs.
-
-        Returns:
-          ``rank``, ``restart``, ``node_id``, ``hostname``, ``pid``,
-          ``pinned_cores`` (None if not pinned), ``allowed_cores`` (this
-          thread's affinity), ``threads_pinned`` (every thread within the
-          pinned cores), ``jax_local_device_count``, ``num_devices`` (devices
-          the worker's tasks are sharded over), ``num_tasks``,
-          ``steps_per_estimate``, ``start_s`` (the constructor's wall time:
-          building the worker and compiling its estimate), ``warm_up_s`` (the
-          compiling part), ``compilation_cache_dir`` (JAX's persistent cache,
-          unless ``JAX_ENABLE_COMPILATION_CACHE=false`` turns it off) and
-          ``compilation_cache_hits`` / ``compilation_cache_misses``
-          (persistent-cache lookups during the constructor).
+    def info(self) -> ActorInfo:
+        """Where and how this actor runs (see :class:`~popmeta.actors.records.ActorInfo`).
 
         Raises:
           ActorBuildError: the constructor failed; its exception is the cause.
@@ -279,19 +267,19 @@ class EstimatorActor:
         import jax
 
         allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        return {
-            "rank": self.rank,
-            "restart": self.restart,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "pinned_cores": self._pinned,
-            "allowed_cores": allowed,
-            "threads_pinned": self._pinned is not None and _threads_within(set(self._pinned)),
-            "jax_local_device_count": jax.local_device_count(),
-            "num_devices": int(getattr(self._worker, "num_devices", 1)),
-            "num_tasks": int(self._worker.num_tasks),
-            "steps_per_estimate": int(self._worker.steps_per_estimate),
-            "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
+        return ActorInfo(
+            rank=self.rank,
+            restart=self.restart,
+            node_id=ray.get_runtime_context().get_node_id(),
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            pinned_cores=self._pinned,
+            num_devices=int(getattr(self._worker, "num_devices", 1)),
+            num_tasks=int(self._worker.num_tasks),
+            steps_per_estimate=int(self._worker.steps_per_estimate),
+            allowed_cores=allowed,
+            threads_pinned=self._pinned is not None and _threads_within(set(self._pinned)),
+            jax_local_device_count=jax.local_device_count(),
+            compilation_cache_dir=jax.config.jax_compilation_cache_dir,
             **self._start,
-        }
+        )

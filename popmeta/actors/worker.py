@@ -16,13 +16,14 @@ of docs/checkpoints.md, whose parts docs/design.md ("Learner") lists.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from popmeta.actors.records import WorkerState
 from popmeta.core.estimators import EstimateRunner, GradientEstimator, make_runner
 from popmeta.estimate import Estimate
 from popmeta.experiment import WorkerSpec, build_estimator
@@ -47,7 +48,7 @@ def worker_key(seed: int, rank: int, restart: int = 0) -> jax.Array:
 
 def exported_state_template(
     spec: WorkerSpec, estimator: GradientEstimator | None = None
-) -> dict[str, Any]:
+) -> WorkerState:
     """The structure, shapes and dtypes of :meth:`EstimatorWorker.export_state`.
 
     Traced with ``jax.eval_shape``: nothing is computed or compiled. Every
@@ -58,19 +59,20 @@ def exported_state_template(
       estimator: the estimator built from ``spec``, if at hand (else it is built).
 
     Returns:
-      ``{"key", "last_version", "repeats", "state"}`` with
-      ``jax.ShapeDtypeStruct`` leaves: a target for
-      :func:`~popmeta.learner.checkpoints.load_checkpoint`.
+      A :class:`~popmeta.actors.records.WorkerState` with
+      ``jax.ShapeDtypeStruct`` leaves: the template a checkpoint's worker
+      states are restored into
+      (:func:`~popmeta.learner.checkpoint_layout.load_run_checkpoint`).
     """
     estimator = estimator or build_estimator(spec.sections)
     key = worker_key(spec.sections.seed, 0)
     counter = jax.ShapeDtypeStruct((), np.int64)
-    return {
-        "key": jax.eval_shape(jax.random.key_data, key),
-        "last_version": counter,
-        "repeats": counter,
-        "state": jax.eval_shape(estimator.init_worker_state, spec.theta, key),
-    }
+    return WorkerState(
+        key=jax.eval_shape(jax.random.key_data, key),
+        last_version=counter,
+        repeats=counter,
+        state=jax.eval_shape(estimator.init_worker_state, spec.theta, key),
+    )
 
 
 def _check_fits(template: Any, tree: Any) -> None:
@@ -176,7 +178,7 @@ class EstimatorWorker:
         self._state: Any = None
         # A loaded state, as host arrays: placed on the devices by the next call.
         self._loaded: Any = None
-        self._template: dict[str, Any] | None = None
+        self._template: WorkerState | None = None
         # Set with the first state: whether the state has phases is known only then.
         self._phases: Callable[[Any], jax.Array] | None = None
         self._last_version: int | None = None
@@ -250,31 +252,29 @@ class EstimatorWorker:
         loaded, self._loaded = self._loaded, None
         return jax.tree_util.tree_map(lambda f, x: jax.device_put(x, f.sharding), fresh, loaded)
 
-    def export_state(self) -> dict[str, Any] | None:
+    def export_state(self) -> WorkerState | None:
         """What the worker's next estimate depends on besides theta, as host arrays.
 
         Call it between :meth:`compute` calls. The arrays are copies: the
         device buffers of the state are donated to the next call.
 
         Returns:
-          ``{"key": root key data, "last_version": theta version of the last
-          call (-1: none), "repeats": calls on it beyond the first, "state":
-          the estimator's worker state}``, with the structure of
-          :func:`exported_state_template`; None before the first estimate
-          (a fresh worker of this rank starts the same way).
+          The worker's :class:`~popmeta.actors.records.WorkerState`, with the
+          structure of :func:`exported_state_template`; None before the first
+          estimate (a fresh worker of this rank starts the same way).
         """
         state = self._state if self._state is not None else self._loaded
         if state is None:
             return None
         last = -1 if self._last_version is None else self._last_version
-        return {
-            "key": np.array(jax.random.key_data(self._key)),
-            "last_version": np.int64(last),
-            "repeats": np.int64(self._repeats),
-            "state": jax.tree_util.tree_map(lambda x: np.array(x, copy=True), state),
-        }
+        return WorkerState(
+            key=np.array(jax.random.key_data(self._key)),
+            last_version=np.int64(last),
+            repeats=np.int64(self._repeats),
+            state=jax.tree_util.tree_map(lambda x: np.array(x, copy=True), state),
+        )
 
-    def load_state(self, exported: Mapping[str, Any]) -> None:
+    def load_state(self, exported: WorkerState) -> None:
         """Continues from an :meth:`export_state` of a worker of the same config.
 
         The next :meth:`compute` returns what the exporting worker's next call
@@ -289,13 +289,13 @@ class EstimatorWorker:
         """
         if self._template is None:
             self._template = exported_state_template(self.spec, self.estimator)
-        _check_fits(self._template, dict(exported))
+        _check_fits(self._template, exported)
         impl = jax.random.key_impl(self._key)
-        self._key = jax.random.wrap_key_data(np.asarray(exported["key"]), impl=impl)
-        last = int(exported["last_version"])
+        self._key = jax.random.wrap_key_data(np.asarray(exported.key), impl=impl)
+        last = int(exported.last_version)
         self._last_version = None if last < 0 else last
-        self._repeats = int(exported["repeats"])
-        self._loaded = jax.tree_util.tree_map(np.asarray, exported["state"])
+        self._repeats = int(exported.repeats)
+        self._loaded = jax.tree_util.tree_map(np.asarray, exported.state)
         self._state = None
 
     @property

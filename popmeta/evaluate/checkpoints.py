@@ -12,7 +12,7 @@ from popmeta.evaluate.baselines import BaselineCache
 from popmeta.evaluate.report import EvalOutput, EvalWriteError, check_output_dir, write_reports
 from popmeta.evaluate.runs import SettingReport, evaluate
 from popmeta.experiment import learner_start
-from popmeta.learner.checkpoints import load_checkpoint, read_checkpoint_metadata
+from popmeta.learner.checkpoint_layout import load_run_checkpoint, read_run_metadata
 from popmeta.learner.learner import Learner
 from popmeta.storage import StorageError, join, local_file, parent
 
@@ -21,17 +21,17 @@ __all__ = ["evaluate_checkpoint", "load_theta"]
 
 def load_theta(checkpoint: str | Path) -> tuple[Config, Any]:
     """The config and theta stored in a training checkpoint."""
-    metadata = read_checkpoint_metadata(checkpoint)
-    if "config" not in metadata:
+    metadata = read_run_metadata(checkpoint)
+    if metadata.config is None:
         raise ValueError(f"{checkpoint}: no config in the checkpoint's metadata")
     config = config_from_dict(
-        metadata["config"],
+        metadata.config,
         source=str(checkpoint),
         recorded=True,
-        search_path=metadata.get("module_dirs", ()),
+        search_path=metadata.module_dirs,
     )
-    restored = load_checkpoint(checkpoint, Learner.of(learner_start(config)).checkpoint_tree())
-    return config, restored.tree["theta"]
+    restored = load_run_checkpoint(checkpoint, Learner.of(learner_start(config)).checkpoint_tree())
+    return config, restored.learner.theta
 
 
 def evaluate_checkpoint(

@@ -12,6 +12,7 @@ import optax
 
 from popmeta.estimate import Aggregate, Estimate, aggregate
 from popmeta.experiment import LearnerStart
+from popmeta.learner.checkpoint_layout import LearnerCheckpoint
 from popmeta.learner.train_state import TrainState, build_apply_estimates_fn, make_outer_optimizer
 
 __all__ = ["Learner", "Update"]
@@ -108,19 +109,21 @@ class Learner:
         weights = np.concatenate([agg.weights, np.zeros(missing, agg.weights.dtype)])
         return agg.grads + (self._zeros,) * missing, weights
 
-    def checkpoint_tree(self) -> dict[str, Any]:
-        return {
-            "step": self.state.step,
-            "theta": self.state.params,
-            "opt_state": self.state.opt_state,
-            "rng": jax.random.key_data(self.state.root_rng),
-        }
+    def checkpoint_tree(self) -> LearnerCheckpoint:
+        """The learner's part of a checkpoint: also the template to restore one into."""
+        return LearnerCheckpoint(
+            step=self.state.step,
+            theta=self.state.params,
+            opt_state=self.state.opt_state,
+            rng=jax.random.key_data(self.state.root_rng),
+        )
 
-    def restore(self, tree: dict[str, Any]) -> None:
+    def restore(self, checkpoint: LearnerCheckpoint) -> None:
+        """Continues from a restored :meth:`checkpoint_tree`."""
         self.state = self.state.replace(
-            step=tree["step"],
-            params=tree["theta"],
-            opt_state=tree["opt_state"],
-            root_rng=jax.random.wrap_key_data(tree["rng"]),
+            step=checkpoint.step,
+            params=checkpoint.theta,
+            opt_state=checkpoint.opt_state,
+            root_rng=jax.random.wrap_key_data(checkpoint.rng),
         )
         self._theta_host = None

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
+from popmeta.actors.records import ActorInfo, WorkerState
 from popmeta.estimate import Estimate
 
 __all__ = ["Gathered", "Population", "WorkerRestore"]
@@ -72,12 +73,11 @@ class Population(Protocol):
         """Estimates for the update that produces version ``version + 1``."""
         ...
 
-    def describe_actors(self) -> list[dict[str, Any]]:
-        """Where each live worker runs, in rank order: at least ``rank``,
-        ``restart``, ``node_id``, ``pid`` and ``pinned_cores`` (None if unpinned)."""
+    def describe_actors(self) -> list[ActorInfo]:
+        """Where each live worker runs, in rank order."""
         ...
 
-    def export_worker_states(self) -> dict[int, Any]:
+    def export_worker_states(self) -> dict[int, WorkerState]:
         """Each worker's exported state, by rank, at the end of the last gather.
 
         See :meth:`~popmeta.actors.worker.EstimatorWorker.export_state`. Sync
@@ -87,7 +87,7 @@ class Population(Protocol):
         """
         ...
 
-    def load_worker_states(self, states: Mapping[int, Any]) -> WorkerRestore:
+    def load_worker_states(self, states: Mapping[int, WorkerState]) -> WorkerRestore:
         """Makes each live worker whose rank is in ``states`` continue from that state.
 
         Call it before the first :meth:`gather`. A state that does not fit

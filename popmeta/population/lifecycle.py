@@ -85,7 +85,7 @@ class ActorSlot:
     restart: int
     handle: Any = None
     info_ref: Any = None
-    info: dict[str, Any] | None = None
+    info: Any = None
     in_flight: int = 0
     last_progress: float = 0.0
     unavailable_since: float | None = None
@@ -112,7 +112,8 @@ class ActorLifecycle:
     """The actor of each rank: spawned, made ready, killed, replaced or retired.
 
     Args:
-      actor_class: a ``@ray.remote`` class with an ``info() -> dict`` method.
+      actor_class: a ``@ray.remote`` class with an ``info()`` method that returns a record
+        describing the actor (popmeta's actors: ``ActorInfo``), opaque here.
       actor_args: constructor arguments for (rank, restart, core slots).
       population: resources, placement, ``call_timeout_s`` and
         ``max_actor_restarts`` of the actors.
@@ -187,7 +188,7 @@ class ActorLifecycle:
         slot.last_progress = slot.spawned_at = time.monotonic()
         slot.unavailable_since = None
 
-    def read_info(self, slot: ActorSlot, wait: bool, first: bool = False) -> dict[str, Any] | None:
+    def read_info(self, slot: ActorSlot, wait: bool, first: bool = False) -> Any:
         """The actor's ``info()``, which makes it ready; None if it has not answered.
 
         ``wait``: up to ``call_timeout_s``. An actor that died while starting

@@ -7,6 +7,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from popmeta.actors.records import ActorInfo, WorkerState
 from popmeta.actors.worker import EstimatorWorker
 from popmeta.config import PopulationConfig
 from popmeta.experiment import WorkerSpec
@@ -46,14 +47,14 @@ class LocalPopulation:
         self._mid_gather = False
         return Gathered(estimates, [0] * len(estimates), {}, 0)
 
-    def export_worker_states(self) -> dict[int, Any]:
+    def export_worker_states(self) -> dict[int, WorkerState]:
         """Each worker's exported state by rank; empty after a gather that did not complete."""
         if self._mid_gather:
             return {}
         states = {worker.rank: worker.export_state() for worker in self.workers}
         return {rank: state for rank, state in states.items() if state is not None}
 
-    def load_worker_states(self, states: Mapping[int, Any]) -> WorkerRestore:
+    def load_worker_states(self, states: Mapping[int, WorkerState]) -> WorkerRestore:
         """Loads each rank's state into its worker; see :class:`WorkerRestore`."""
         restored, fresh = [], {}
         for worker in self.workers:
@@ -69,20 +70,20 @@ class LocalPopulation:
         ranks = {worker.rank for worker in self.workers}
         return WorkerRestore(tuple(restored), fresh, tuple(sorted(set(states) - ranks)))
 
-    def describe_actors(self) -> list[dict[str, Any]]:
+    def describe_actors(self) -> list[ActorInfo]:
         """Each worker, in rank order: all in this process (``node_id`` ``"local"``), unpinned."""
         return [
-            {
-                "rank": worker.rank,
-                "restart": 0,
-                "node_id": "local",
-                "hostname": socket.gethostname(),
-                "pid": os.getpid(),
-                "pinned_cores": None,
-                "num_devices": int(worker.num_devices),
-                "num_tasks": int(worker.num_tasks),
-                "steps_per_estimate": int(worker.steps_per_estimate),
-            }
+            ActorInfo(
+                rank=worker.rank,
+                restart=0,
+                node_id="local",
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+                pinned_cores=None,
+                num_devices=int(worker.num_devices),
+                num_tasks=int(worker.num_tasks),
+                steps_per_estimate=int(worker.steps_per_estimate),
+            )
             for worker in self.workers
         ]
 

@@ -26,6 +26,7 @@ import numpy as np
 import ray
 
 from popmeta.actors.actor import EstimatorActor
+from popmeta.actors.records import ActorInfo, WorkerState
 from popmeta.config import PopulationConfig
 from popmeta.estimate import Estimate
 from popmeta.experiment import WorkerSpec
@@ -294,7 +295,7 @@ class RayPopulation:
             )
         try:
             first = self._supervisor.describe()[0]
-            self._steps_per_estimate = int(first["steps_per_estimate"])
+            self._steps_per_estimate = first.steps_per_estimate
         except BaseException:
             self.close()
             raise
@@ -343,7 +344,7 @@ class RayPopulation:
         self._reported_restarts, self._reported_lost = restarts, lost
         return gathered
 
-    def export_worker_states(self) -> dict[int, Any]:
+    def export_worker_states(self) -> dict[int, WorkerState]:
         """Each ready actor's exported worker state, by rank (see the module's docstring).
 
         Sync mode: empty unless at a round boundary (a gather interrupted
@@ -363,7 +364,7 @@ class RayPopulation:
             log.warning("actor %d: its worker state is not saved: %s", rank, why)
         return {rank: state for rank, state in sorted(values.items()) if state is not None}
 
-    def load_worker_states(self, states: Mapping[int, Any]) -> WorkerRestore:
+    def load_worker_states(self, states: Mapping[int, WorkerState]) -> WorkerRestore:
         """Each live actor whose rank is in ``states`` continues from that state.
 
         Call it before the first :meth:`gather`. An actor whose state does not
@@ -382,11 +383,10 @@ class RayPopulation:
             tuple(sorted(set(states) - set(live))),
         )
 
-    def describe_actors(self) -> list[dict[str, Any]]:
+    def describe_actors(self) -> list[ActorInfo]:
         """Each live actor's :meth:`~popmeta.actors.actor.EstimatorActor.info`, in rank order.
 
-        Among others ``rank``, ``restart``, ``node_id``, ``pid`` and
-        ``pinned_cores``; waits for a replacement that has not reported yet.
+        Waits for a replacement that has not reported yet.
         """
         return self._supervisor.describe()
 

@@ -54,7 +54,8 @@ class ActorSupervisor:
     an actor that dies while starting is replaced meanwhile.
 
     Args:
-      actor_class: a ``@ray.remote`` class with an ``info() -> dict`` method.
+      actor_class: a ``@ray.remote`` class with an ``info()`` method that returns a record
+        describing the actor (popmeta's actors: ``ActorInfo``), opaque here.
       actor_args: constructor arguments for (rank, restart, core slots).
       population: resources, placement, timeouts and ``max_actor_restarts``
         of the actors.
@@ -308,7 +309,7 @@ class ActorSupervisor:
                 )
         return values
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[Any]:
         """Each live actor's ``info()``, in rank order.
 
         Waits up to ``call_timeout_s`` for a replacement that has not answered
@@ -389,7 +390,7 @@ class ActorSupervisor:
                 "calls took at most %.3gs lately; it is replaced at %.1fs unless it answers",
                 actor.rank,
                 actor.restart,
-                (actor.info or {}).get("pid", "?"),
+                getattr(actor.info, "pid", "?"),
                 now - actor.silent_since,
                 self._deadlines.slowest_call,
                 self.timeout_for(),

@@ -1,4 +1,4 @@
-"""Tests for popmeta.learner.checkpoints."""
+"""Tests for popmeta.learner.checkpoint_file and popmeta.learner.checkpoints."""
 
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ import numpy as np
 import optax
 import pytest
 
-from popmeta.learner import checkpoints
-from popmeta.learner.checkpoints import (
+from popmeta.learner import checkpoint_file, checkpoints
+from popmeta.learner.checkpoint_file import (
     CheckpointCorruptedError,
+    load_checkpoint,
+    read_checkpoint_metadata,
+)
+from popmeta.learner.checkpoints import (
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
-    read_checkpoint_metadata,
     restore_latest,
     save_checkpoint,
 )
@@ -190,7 +192,7 @@ def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     def crash(src, dst):
         raise OSError("simulated crash before rename")
 
-    monkeypatch.setattr(checkpoints.os, "replace", crash)
+    monkeypatch.setattr(checkpoint_file.os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         save_checkpoint(tmp_path, 2, {"x": jnp.array(2.0)}, keep=1)
     monkeypatch.undo()

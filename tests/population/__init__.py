@@ -7,12 +7,16 @@ ready and compiled within seconds.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+import ray
 
+from popmeta.actors.records import ActorInfo
 from popmeta.config import Config, config_from_dict
 from popmeta.experiment import WorkerSpec, learner_start
 from popmeta.learner.learner import Learner
@@ -27,6 +31,7 @@ __all__ = [
     "quiet_fork",
     "ray_population",
     "run_updates",
+    "stand_in_info",
     "tiny_config",
     "tree_bytes",
 ]
@@ -103,3 +108,18 @@ def run_updates(
 def tree_bytes(tree: Any) -> list[bytes]:
     """The exact bits of every leaf, for bitwise comparisons."""
     return [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+def stand_in_info(rank: int, restart: int) -> ActorInfo:
+    """What a stand-in actor that computes no estimate reports from its ``info()``."""
+    return ActorInfo(
+        rank=rank,
+        restart=restart,
+        node_id=ray.get_runtime_context().get_node_id(),
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        pinned_cores=None,
+        num_devices=0,
+        num_tasks=0,
+        steps_per_estimate=0,
+    )

@@ -92,7 +92,7 @@ def nodes(no_session_ray):
 
 
 def _nodes_of(population: RayPopulation) -> list[str]:
-    return [info["node_id"] for info in population.describe_actors()]
+    return [info.node_id for info in population.describe_actors()]
 
 
 def test_cluster_is_on_loopback(nodes):
@@ -177,10 +177,10 @@ def test_pinned_cpu_actors_get_distinct_cores_on_each_node(nodes):
     with ray_population(config) as population:
         info = population.describe_actors()
         run_updates(config, population, 1)
-    assert all(i["threads_pinned"] for i in info)
+    assert all(i.threads_pinned for i in info)
     by_node: dict[str, list[tuple[int, ...]]] = {}
     for i in info:
-        by_node.setdefault(i["node_id"], []).append(tuple(i["pinned_cores"]))
+        by_node.setdefault(i.node_id, []).append(tuple(i.pinned_cores))
     for cores in by_node.values():
         assert len(set(cores)) == len(cores), by_node
 
@@ -237,5 +237,5 @@ def test_actor_of_a_lost_node_is_replaced_on_another_node(nodes, caplog, compile
         gathered = population.gather(theta, 1)
         assert gathered.restarted == 1 and len(gathered.estimates) == 1
         assert _nodes_of(population) == [survivor]
-        assert population.describe_actors()[0]["restart"] == 1
+        assert population.describe_actors()[0].restart == 1
     assert "replaced it with restart 1" in caplog.text

@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import ray
 
+from popmeta.actors.records import ActorInfo
 from popmeta.config import PopulationConfig
 from popmeta.population.ray_population import AsyncGather, SyncGather
 from popmeta.population.supervisor import ActorSupervisor
+from tests.population import stand_in_info
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,8 +35,8 @@ class Timed:
         time.sleep(start_s)  # a replacement's start: imports, compilation
         self.rank, self.restart, self.compute_s = rank, restart, compute_s
 
-    def info(self) -> dict[str, Any]:
-        return {"rank": self.rank, "restart": self.restart, "pid": os.getpid()}
+    def info(self) -> ActorInfo:
+        return stand_in_info(self.rank, self.restart)
 
     def compute(self, theta: Any, version: int) -> tuple[int, int, int]:
         del theta
@@ -58,8 +60,8 @@ def supervisor(compute_s: list[float], replacement_start_s: float = 0.0) -> Acto
 
 
 def kill(sup: ActorSupervisor, rank: int) -> None:
-    (info,) = [i for i in sup.describe() if i["rank"] == rank]
-    os.kill(info["pid"], signal.SIGKILL)
+    (info,) = [i for i in sup.describe() if i.rank == rank]
+    os.kill(info.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------- sync

@@ -28,8 +28,9 @@ import pytest
 import ray
 
 from popmeta.actors.actor import default_compilation_cache_dir
+from popmeta.actors.records import ActorInfo
 from popmeta.experiment import EstimatorSections, initial_theta, learner_start
-from popmeta.learner.checkpoints import restore_latest
+from popmeta.learner.checkpoint_layout import load_run_checkpoint
 from popmeta.learner.learner import Learner
 from popmeta.population import ray_population
 from popmeta.population.lifecycle import ActorStartError, PopulationLostError
@@ -58,10 +59,9 @@ def sync_runs(ray_session, tmp_path_factory):
     # Run 1: the real training loop, with the Ray population as its factory.
     result = train(config, RayPopulation, stream=io.StringIO())
     assert result.final_step == steps
-    restored = restore_latest(
-        result.run_dir / "checkpoints", Learner.of(learner_start(config)).checkpoint_tree()
+    restored = load_run_checkpoint(
+        result.checkpoint, Learner.of(learner_start(config)).checkpoint_tree()
     )
-    assert restored is not None
     # Run 2: a fresh population (fresh actor processes), the same updates.
     with ray_population(config) as population:
         info = population.describe_actors()
@@ -74,7 +74,7 @@ def sync_runs(ray_session, tmp_path_factory):
     theta_local = run_updates(config, local, steps, local_rounds.append)
     return {
         "config": config,
-        "train": restored.tree["theta"],
+        "train": restored.learner.theta,
         "ray": theta_ray,
         "local": theta_local,
         "info": info,
@@ -142,21 +142,21 @@ def test_sync_rounds_through_a_compiled_graph_equal_the_local_engine(sync_runs, 
 
 def test_local_population_describes_its_workers_in_this_process(sync_runs):
     info = sync_runs["local_info"]
-    assert [i["rank"] for i in info] == [0, 1]
-    assert all(i["restart"] == 0 and i["node_id"] == "local" for i in info)
-    assert all(i["pid"] == os.getpid() and i["pinned_cores"] is None for i in info)
+    assert [i.rank for i in info] == [0, 1]
+    assert all(i.restart == 0 and i.node_id == "local" for i in info)
+    assert all(i.pid == os.getpid() and i.pinned_cores is None for i in info)
 
 
 def test_cpu_actors_on_one_node_are_pinned_to_distinct_cores(sync_runs):
     info = sync_runs["info"]
-    assert [i["rank"] for i in info] == [0, 1]
-    assert all(i["restart"] == 0 and i["pid"] != os.getpid() for i in info)
-    assert len({i["node_id"] for i in info}) == 1
-    cores = [tuple(i["pinned_cores"]) for i in info]
+    assert [i.rank for i in info] == [0, 1]
+    assert all(i.restart == 0 and i.pid != os.getpid() for i in info)
+    assert len({i.node_id for i in info}) == 1
+    cores = [tuple(i.pinned_cores) for i in info]
     assert len(set(cores)) == 2, cores
     # Every thread of each actor (XLA's pool included) runs on its cores only.
-    assert all(i["threads_pinned"] for i in info)
-    assert all(i["jax_local_device_count"] == 1 for i in info)
+    assert all(i.threads_pinned for i in info)
+    assert all(i.jax_local_device_count == 1 for i in info)
 
 
 # ---------------------------------------------------------------------- async
@@ -272,9 +272,9 @@ def test_population_tasks_are_spread_uniformly_over_their_trajectories(ray_sessi
 # ---------------------------------------------------------------------- failures
 
 
-def kill_actor_process(info: dict) -> None:
+def kill_actor_process(info: ActorInfo) -> None:
     """Kills an actor's process as a crash would (SIGKILL), found by its pid."""
-    os.kill(info["pid"], signal.SIGKILL)
+    os.kill(info.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
@@ -320,8 +320,8 @@ def test_killed_actor_is_replaced_and_the_run_goes_on(ray_session, caplog, mode,
         while mode == "sync" and update().missing:
             assert time.monotonic() < deadline, "the replacement never joined a round"
         after = population.describe_actors()
-        assert [(i["rank"], i["restart"]) for i in after] == [(0, 1), (1, 0)]
-        assert after[0]["pid"] != before[0]["pid"] and after[1]["pid"] == before[1]["pid"]
+        assert [(i.rank, i.restart) for i in after] == [(0, 1), (1, 0)]
+        assert after[0].pid != before[0].pid and after[1].pid == before[1].pid
         ranks = set()
         for _ in range(4):
             gathered = update()
@@ -339,25 +339,25 @@ def test_replacements_start_compiled_from_the_persistent_cache(ray_session, tmp_
     with ray_population(config) as population:
         (cold,) = population.describe_actors()
         # The estimate was compiled (and cached) before the actor said it was ready.
-        assert cold["compilation_cache_dir"] == str(cache)
-        assert cold["compilation_cache_misses"] > 0 and cold["compilation_cache_hits"] == 0
+        assert cold.compilation_cache_dir == str(cache)
+        assert cold.compilation_cache_misses > 0 and cold.compilation_cache_hits == 0
         assert any(cache.iterdir())
         kill_actor_process(cold)
         # The round waits for the replacement: no other actor is left.
         gathered = population.gather(Learner.of(learner_start(config)).theta(), 0)
         assert gathered.restarted == 1 and len(gathered.estimates) == 1
         (warm,) = population.describe_actors()
-        assert warm["restart"] == 1
+        assert warm.restart == 1
         # Everything the cold actor compiled, the replacement loaded.
-        assert warm["compilation_cache_hits"] >= cold["compilation_cache_misses"]
-        assert warm["compilation_cache_misses"] == 0
+        assert warm.compilation_cache_hits >= cold.compilation_cache_misses
+        assert warm.compilation_cache_misses == 0
 
 
 def test_actors_use_a_per_user_compilation_cache_by_default(ray_session):
     with ray_population(tiny_config(num_actors=1)) as population:
         (info,) = population.describe_actors()
-    assert info["compilation_cache_dir"] == default_compilation_cache_dir()
-    assert str(os.getuid()) in info["compilation_cache_dir"]
+    assert info.compilation_cache_dir == default_compilation_cache_dir()
+    assert str(os.getuid()) in info.compilation_cache_dir
 
 
 def test_population_gives_up_when_a_rank_keeps_dying(ray_session):
@@ -391,7 +391,7 @@ def test_population_env_reaches_the_actors_and_init_errors_surface(ray_session):
     config = tiny_config(num_actors=1, num_tasks=4, env=two_devices)
     with ray_population(config) as population:
         (info,) = population.describe_actors()
-        assert info["jax_local_device_count"] == 2 and info["num_devices"] == 2
+        assert info.jax_local_device_count == 2 and info.num_devices == 2
         assert len(population.gather(Learner.of(learner_start(config)).theta(), 0).estimates) == 1
     # 3 tasks cannot be split over 2 devices: the actor's __init__ raises,
     # and the population says which actor failed and why, at once.

@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 import ray
 
+from popmeta.actors.records import ActorInfo
 from popmeta.config import PopulationConfig
 from popmeta.population.deadlines import MIN_TIMED_CALLS
 from popmeta.population.lifecycle import ActorStartError, PopulationLostError
 from popmeta.population.supervisor import ActorSupervisor, Reply
+from tests.population import stand_in_info
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,8 +40,8 @@ class Sleeper:
         self.rank = rank
         self.restart = restart
 
-    def info(self) -> dict[str, Any]:
-        return {"rank": self.rank, "restart": self.restart, "pid": os.getpid()}
+    def info(self) -> ActorInfo:
+        return stand_in_info(self.rank, self.restart)
 
     def run(self, seconds: float, value: Any) -> tuple[int, int, Any]:
         time.sleep(seconds)
@@ -72,7 +74,7 @@ def test_replies_carry_their_tags_in_completion_order(ray_session):
     sup = supervisor()
     try:
         assert sup.ranks == [0, 1] and sup.num_restarts == 0
-        assert [(i["rank"], i["restart"]) for i in sup.describe()] == [(0, 0), (1, 0)]
+        assert [(i.rank, i.restart) for i in sup.describe()] == [(0, 0), (1, 0)]
         sup.submit(0, "slow", "run", 1.0, "a")
         sup.submit(1, "fast", "run", 0.0, "b")
         assert (sup.in_flight(0), sup.in_flight(1)) == (1, 1)
@@ -92,7 +94,7 @@ def test_an_actor_past_its_deadline_is_replaced_and_its_calls_are_lost(ray_sessi
         assert sup.next_reply() is None
         assert TIMEOUT_S <= time.monotonic() - start < 3 * TIMEOUT_S
         assert sup.num_restarts == 1 and sup.ranks == [0] and sup.in_flight(0) == 0
-        assert [(i["rank"], i["restart"]) for i in sup.describe()] == [(0, 1)]
+        assert [(i.rank, i.restart) for i in sup.describe()] == [(0, 1)]
         # The replacement works; the stuck call never comes back.
         sup.submit(0, "fresh", "run", 0.0, "c")
         assert sup.next_reply() == Reply(0, "fresh", (0, 1, "c"))
@@ -125,7 +127,7 @@ def test_compiled_calls_reach_the_members_and_a_silent_round_replaces_them(ray_s
 def test_a_loss_beyond_max_actor_restarts_raises(ray_session):
     sup = supervisor(num_actors=1, max_actor_restarts=0)
     try:
-        os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
+        os.kill(sup.describe()[0].pid, signal.SIGKILL)
         deadline = time.monotonic() + 3 * TIMEOUT_S
         with pytest.raises(PopulationLostError, match="max_actor_restarts=0: giving up"):
             while time.monotonic() < deadline:
@@ -143,7 +145,7 @@ def test_a_replacement_is_ready_once_it_has_started_and_only_then(ray_session):
     try:
         assert sup.ready_ranks == [0, 1]
         sup.submit(0, "x", "run", 0.0, None)
-        os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
+        os.kill(sup.describe()[0].pid, signal.SIGKILL)
         # The call is lost with its actor; the replacement that died starting is replaced too.
         deadline = time.monotonic() + 3 * TIMEOUT_S
         while sup.num_restarts < 2:
@@ -158,7 +160,7 @@ def test_a_replacement_is_ready_once_it_has_started_and_only_then(ray_session):
             assert time.monotonic() - start < 3 * TIMEOUT_S
             assert sup.next_reply() is None
         assert time.monotonic() - start > 0.5
-        assert [(i["rank"], i["restart"]) for i in sup.describe()] == [(0, 2), (1, 0)]
+        assert [(i.rank, i.restart) for i in sup.describe()] == [(0, 2), (1, 0)]
         sup.submit(0, "y", "run", 0.0, "z")
         assert sup.next_reply() == Reply(0, "y", (0, 2, "z"))
         assert sup.num_restarts == 2 and sup.num_lost_calls == 1
@@ -168,7 +170,7 @@ def test_a_replacement_is_ready_once_it_has_started_and_only_then(ray_session):
 
 def test_close_kills_the_actors_and_leaves_ray_running(ray_session):
     sup = supervisor()
-    pids = [i["pid"] for i in sup.describe()]
+    pids = [i.pid for i in sup.describe()]
     sup.close()
     sup.close()  # idempotent
     assert ray.is_initialized()
@@ -189,7 +191,7 @@ def test_an_actor_killed_while_starting_is_replaced_and_counted(ray_session):
     sup = supervisor({0: (0.0, "die")}, ranks={1}, max_actor_restarts=1)
     try:
         assert sup.ready_ranks == [0, 1]
-        assert [(i["rank"], i["restart"]) for i in sup.describe()] == [(0, 0), (1, 1)]
+        assert [(i.rank, i.restart) for i in sup.describe()] == [(0, 0), (1, 1)]
         assert sup.num_restarts == 1
         sup.submit(1, "after", "run", 0.0, "ok")
         assert sup.next_reply() == Reply(1, "after", (1, 1, "ok"))
@@ -207,7 +209,7 @@ def test_a_constructor_that_raises_stops_at_once_naming_the_actor_and_the_cause(
     # A replacement whose constructor raises stops the run too: no retry loop.
     sup = supervisor({1: (0.0, "fail")}, max_actor_restarts=5)
     try:
-        os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
+        os.kill(sup.describe()[0].pid, signal.SIGKILL)
         deadline = time.monotonic() + 3 * TIMEOUT_S
         with pytest.raises(ActorStartError, match=r"actor 0 \(restart 1\) could not start"):
             while time.monotonic() < deadline:
@@ -230,7 +232,7 @@ def test_losses_with_replies_in_between_never_add_up_to_a_crash_loop(ray_session
     sup = supervisor(num_actors=1, max_actor_restarts=1)
     try:
         for restart in range(3):
-            os.kill(sup.describe()[0]["pid"], signal.SIGKILL)
+            os.kill(sup.describe()[0].pid, signal.SIGKILL)
             deadline = time.monotonic() + 3 * TIMEOUT_S
             reply = None
             while reply is None:
@@ -266,7 +268,7 @@ def test_a_stopped_actor_is_warned_about_and_replaced_after_its_measured_call_ti
         # measures longer calls, never longer than the rounds the test saw.
         timeout = sup.timeout_for()
         assert 1.0 <= timeout <= max(1.0, 10 * longest_round), (timeout, longest_round)
-        stopped = sup.describe()[1]["pid"]
+        stopped = sup.describe()[1].pid
         os.kill(stopped, signal.SIGSTOP)  # a hung node: alive, silent
         try:
             for rank in (0, 1):
