@@ -39,6 +39,7 @@ from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Population
 from popmeta.population.engines import PopulationFactory, open_population
+from popmeta.progress import Progress
 from popmeta.run_checkpoints import RunCheckpoints
 from popmeta.run_dir import RunDirectory, RunWriteError
 from popmeta.run_identity import check_identity, record_config
@@ -111,33 +112,6 @@ class RunResult(NamedTuple):
     already_finished: bool = False
     theta: Any = None
     checkpoint: Path | str | None = None
-
-
-class _Progress:
-    """A tqdm bar on a terminal, plain log lines otherwise."""
-
-    def __init__(self, total: int, initial: int, every: int, stream=None):
-        self.stream = stream or sys.stderr
-        self.every = max(every, 1)
-        self.bar = None
-        if self.stream.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total, initial=initial, file=self.stream, unit="step", dynamic_ncols=True
-            )
-
-    def update(self, step: int, total: int, fields: dict[str, str]) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(fields, refresh=False)
-            self.bar.update(1)
-        elif step % self.every == 0 or step == total:
-            text = " ".join(f"{k}={v}" for k, v in fields.items())
-            print(f"step {step}/{total} {text}", file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _placement(config: Config, actors: list[ActorInfo]) -> str:
@@ -319,7 +293,7 @@ class _RunLoop:
             )
             if evaluator is not None:
                 closing.callback(evaluator.close, summaries)
-            progress = _Progress(
+            progress = Progress(
                 config.train.num_steps, self.learner.version, config.train.log_every
             )
             closing.callback(progress.close)
@@ -349,7 +323,7 @@ class _RunLoop:
         population: Population,
         summaries: Summaries,
         evaluator: PeriodicEvaluator | None,
-        progress: _Progress,
+        progress: Progress,
     ) -> bool:
         """The loop, and the checkpoint it ends with; returns whether a signal stopped it."""
         learner, tcfg, stop = self.learner, self.config.train, self.stop
@@ -414,14 +388,14 @@ class _RunLoop:
         summaries: Summaries,
         evaluator: PeriodicEvaluator | None,
         stats: RoundStats,
-        progress: _Progress,
+        progress: Progress,
         meta_loss: float,
     ) -> None:
         step, tcfg = self.learner.version, self.config.train
         if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
             stats.write(summaries, step, population.num_live)
             self.run.sync_if_due()
-        if step % tcfg.checkpoint_every == 0:
+        if self._checkpoint_due(step):
             self._checkpoint(population)
         if evaluator is not None:
             evaluator.write_finished(summaries)
@@ -433,6 +407,10 @@ class _RunLoop:
             "actors": str(population.num_live),
         }
         progress.update(step, tcfg.num_steps, fields)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """The checkpoint rule between steps; a stop or the end always writes one (the loop's)."""
+        return step % self.config.train.checkpoint_every == 0
 
     def _checkpoint(self, population: Population) -> None:
         """The checkpoint of this step (see :meth:`RunCheckpoints.save`); a failed write stops the run."""
