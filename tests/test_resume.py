@@ -38,7 +38,7 @@ from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.run_loop import train
 from tests.local_run import local_config
-from tests.population import local_population, ray_population, tree_bytes
+from tests.population import local_population_of, population_of, tree_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -164,7 +164,7 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_entry(tmp_path):
 
 
 def test_a_gather_interrupted_half_way_exports_no_states(tmp_path):
-    population = local_population(_config(tmp_path, "half"))
+    population = local_population_of(_config(tmp_path, "half"))
     theta = jax.tree_util.tree_map(np.asarray, initial_theta(population.workers[0].spec.sections))
     population.gather(theta, 0)
     assert sorted(population.export_worker_states()) == [0, 1]
@@ -218,7 +218,7 @@ def test_second_ctrl_c_mid_round_keeps_the_checkpoint_of_the_round_boundary(tmp_
     config = _config(tmp_path, "twice")
 
     def factory(config: Config) -> LocalPopulation:
-        population = local_population(config)
+        population = local_population_of(config)
         compute = population.workers[1].compute
 
         def compute_or_stop(theta: Any, version: int) -> Any:
@@ -303,7 +303,7 @@ def test_a_run_started_on_the_local_engine_continues_on_ray_bitwise(
 def test_ray_async_actors_take_their_saved_states_where_they_fit(ray_session, tmp_path):
     config = _ray_config(tmp_path, "async", mode="async", batch_size=2, calls_in_flight=2)
     theta = jax.tree_util.tree_map(np.asarray, initial_theta(EstimatorSections.of(config)))
-    with ray_population(config) as population:
+    with population_of(config) as population:
         for version in range(3):
             population.gather(theta, version)
         # Calls are still queued: each state is the one they leave behind.
@@ -313,7 +313,7 @@ def test_ray_async_actors_take_their_saved_states_where_they_fit(ray_session, tm
     assert max(int(state.last_version) for state in saved.values()) == 2
 
     wrong = saved[1]._replace(key=np.zeros(5, np.uint32))
-    with ray_population(config) as population:
+    with population_of(config) as population:
         outcome = population.load_worker_states({0: saved[0], 1: wrong, 7: saved[0]})
         assert outcome.restored == (0,)
         assert list(outcome.fresh) == [1] and ".key: expected uint32[2]" in outcome.fresh[1]

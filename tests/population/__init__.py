@@ -27,9 +27,9 @@ from popmeta.population.ray_runtime import quiet_fork
 
 __all__ = [
     "CALL_TIMEOUT_S",
-    "local_population",
+    "local_population_of",
+    "population_of",
     "quiet_fork",
-    "ray_population",
     "run_updates",
     "stand_in_info",
     "tiny_config",
@@ -79,12 +79,12 @@ def tiny_config(
     )
 
 
-def ray_population(config: Config) -> RayPopulation:
+def population_of(config: Config) -> RayPopulation:
     """The Ray population ``config`` describes, as the run loop opens it (Ray already running)."""
     return RayPopulation(config.population, WorkerSpec.of(config))
 
 
-def local_population(config: Config) -> LocalPopulation:
+def local_population_of(config: Config) -> LocalPopulation:
     """The local engine's population ``config`` describes."""
     return LocalPopulation(config.population, WorkerSpec.of(config))
 

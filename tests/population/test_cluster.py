@@ -24,7 +24,7 @@ from ray.cluster_utils import Cluster
 from popmeta.experiment import learner_start
 from popmeta.learner.learner import Learner
 from popmeta.population.ray_population import RayPopulation
-from tests.population import CALL_TIMEOUT_S, quiet_fork, ray_population, run_updates, tiny_config
+from tests.population import CALL_TIMEOUT_S, population_of, quiet_fork, run_updates, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -101,7 +101,7 @@ def test_cluster_is_on_loopback(nodes):
 
 def test_actors_needing_tpus_land_only_on_the_tpu_node(nodes):
     config = tiny_config(num_actors=2, resources={"TPU": 1}, mode="sync")
-    with ray_population(config) as population:
+    with population_of(config) as population:
         assert _nodes_of(population) == [nodes.id("tpu_a")] * 2
         rounds = []
         run_updates(config, population, 2, rounds.append)
@@ -110,7 +110,7 @@ def test_actors_needing_tpus_land_only_on_the_tpu_node(nodes):
 
 def test_an_actor_needing_a_custom_resource_lands_on_its_node(nodes):
     config = tiny_config(num_actors=1, resources={"accel_b": 1}, num_cpus=0.5)
-    with ray_population(config) as population:
+    with population_of(config) as population:
         assert _nodes_of(population) == [nodes.id("accel_b")]
         assert len(population.gather(Learner.of(learner_start(config)).theta(), 0).estimates) == 1
 
@@ -174,7 +174,7 @@ def test_pinned_cpu_actors_get_distinct_cores_on_each_node(nodes):
     # CPU-only actors on several nodes: a placement group fixes each actor's
     # node before it starts, then actors sharing a node get distinct cores.
     config = tiny_config(num_actors=3, mode="sync", pin_cpus=True)
-    with ray_population(config) as population:
+    with population_of(config) as population:
         info = population.describe_actors()
         run_updates(config, population, 1)
     assert all(i.threads_pinned for i in info)
@@ -194,7 +194,7 @@ def test_one_actor_per_tpu_node_and_a_lost_tpu_node(nodes, caplog):
         mode="async",
         batch_size=2,
     )
-    with ray_population(config) as population:
+    with population_of(config) as population:
         assert population.num_live == 2
         assert sorted(_nodes_of(population)) == sorted([nodes.id("tpu_a"), nodes.id("tpu_b")])
         learner = Learner.of(learner_start(config))
@@ -225,7 +225,7 @@ def test_actor_of_a_lost_node_is_replaced_on_another_node(nodes, caplog, compile
     config = tiny_config(
         num_actors=1, resources={"TPU": 1}, mode="sync", compiled_graph=compiled_graph
     )
-    with ray_population(config) as population:
+    with population_of(config) as population:
         theta = run_updates(config, population, 1)
         (lost,) = _nodes_of(population)
         # Two TPU nodes are up: the actor's, and the one it moves to.

@@ -39,7 +39,14 @@ from popmeta.population.ray_runtime import start_ray
 from popmeta.population.supervisor import ActorSupervisor
 from popmeta.run_loop import train
 from tests.events import read_scalars
-from tests.population import CALL_TIMEOUT_S, local_population, run_updates, tiny_config, tree_bytes
+from tests.population import (
+    CALL_TIMEOUT_S,
+    local_population_of,
+    population_of,
+    run_updates,
+    tiny_config,
+    tree_bytes,
+)
 from tests.processes import ActorKiller
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,12 +70,12 @@ def sync_runs(ray_session, tmp_path_factory):
         result.checkpoint, Learner.of(learner_start(config)).checkpoint_tree()
     )
     # Run 2: a fresh population (fresh actor processes), the same updates.
-    with ray_population(config) as population:
+    with population_of(config) as population:
         info = population.describe_actors()
         ray_rounds = []
         theta_ray = run_updates(config, population, steps, ray_rounds.append)
     # The in-process engine, same config.
-    local = local_population(config)
+    local = local_population_of(config)
     local_info = local.describe_actors()
     local_rounds = []
     theta_local = run_updates(config, local, steps, local_rounds.append)
@@ -120,7 +127,7 @@ def test_sync_rounds_through_a_compiled_graph_equal_the_local_engine(sync_runs, 
 
     monkeypatch.setattr(ActorSupervisor, "submit", counting_submit)
     rounds = []
-    with ray_population(compiled) as population:
+    with population_of(compiled) as population:
         theta = run_updates(compiled, population, len(sync_runs["local_rounds"]), rounds.append)
         assert actor_calls == []
         # Ordinary calls still reach the actors between graph executions.
@@ -171,7 +178,7 @@ def test_async_updates_use_batch_size_estimates_within_the_staleness_bound(
         mode="async", batch_size=batch_size, max_staleness=max_staleness, calls_in_flight=2
     )
     rounds = []
-    with ray_population(config) as population:
+    with population_of(config) as population:
         run_updates(config, population, steps, rounds.append)
 
     assert [len(g.estimates) for g in rounds] == [batch_size] * steps
@@ -214,7 +221,7 @@ def test_theta_is_put_once_per_version_or_goes_inline(ray_session, monkeypatch, 
     monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", 0)
     steps = 5
     config = tiny_config(num_actors=num_actors, mode=mode, batch_size=num_actors)
-    with ray_population(config) as population:
+    with population_of(config) as population:
         theta = run_updates(config, population, steps)
         assert len(puts) == steps
         # A second round on one version (as after a round without usable
@@ -247,7 +254,7 @@ def test_population_tasks_are_spread_uniformly_over_their_trajectories(ray_sessi
     num_actors, num_tasks = 3, 16
     config = tiny_config(num_actors=num_actors, num_tasks=num_tasks, mode="sync")
     rounds = []
-    with ray_population(config) as population:
+    with population_of(config) as population:
         # 10 updates x 5 steps: every task has finished a 20-step trajectory
         # and restarted, so what is left is the effect of the random offsets.
         run_updates(config, population, 10, rounds.append)
@@ -287,7 +294,7 @@ def test_killed_actor_is_replaced_and_the_run_goes_on(ray_session, caplog, mode,
     config = tiny_config(
         mode=mode, batch_size=2, max_actor_restarts=1, compiled_graph=compiled_graph
     )
-    with ray_population(config) as population:
+    with population_of(config) as population:
         learner = Learner.of(learner_start(config))
 
         def update():
@@ -336,7 +343,7 @@ def test_replacements_start_compiled_from_the_persistent_cache(ray_session, tmp_
     config = tiny_config(
         num_actors=1, max_actor_restarts=1, env={"JAX_COMPILATION_CACHE_DIR": str(cache)}
     )
-    with ray_population(config) as population:
+    with population_of(config) as population:
         (cold,) = population.describe_actors()
         # The estimate was compiled (and cached) before the actor said it was ready.
         assert cold.compilation_cache_dir == str(cache)
@@ -354,7 +361,7 @@ def test_replacements_start_compiled_from_the_persistent_cache(ray_session, tmp_
 
 
 def test_actors_use_a_per_user_compilation_cache_by_default(ray_session):
-    with ray_population(tiny_config(num_actors=1)) as population:
+    with population_of(tiny_config(num_actors=1)) as population:
         (info,) = population.describe_actors()
     assert info.compilation_cache_dir == default_compilation_cache_dir()
     assert str(os.getuid()) in info.compilation_cache_dir
@@ -364,7 +371,7 @@ def test_population_gives_up_when_a_rank_keeps_dying(ray_session):
     # XLA aborts on a flag it does not know: every actor dies while it starts.
     config = tiny_config(num_actors=1, max_actor_restarts=1, env={"XLA_FLAGS": "--no_such_flag"})
     with pytest.raises(PopulationLostError, match=r"replaced 1 time\(s\) in a row"):
-        ray_population(config)
+        population_of(config)
 
 
 def test_a_run_whose_actor_dies_while_starting_replaces_it_and_counts_the_loss(
@@ -389,7 +396,7 @@ def test_population_env_reaches_the_actors_and_init_errors_surface(ray_session):
     # which the worker shards its tasks.
     two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     config = tiny_config(num_actors=1, num_tasks=4, env=two_devices)
-    with ray_population(config) as population:
+    with population_of(config) as population:
         (info,) = population.describe_actors()
         assert info.jax_local_device_count == 2 and info.num_devices == 2
         assert len(population.gather(Learner.of(learner_start(config)).theta(), 0).estimates) == 1
@@ -399,14 +406,14 @@ def test_population_env_reaches_the_actors_and_init_errors_surface(ray_session):
     with pytest.raises(
         ActorStartError, match=r"actor 0 \(restart 0\) could not start: ValueError: .*multiple of"
     ) as info:
-        ray_population(config)
+        population_of(config)
     assert f"(on host {socket.gethostname()}, node " in str(info.value)
 
 
 def test_one_actor_per_node_without_a_carrier_fails_clearly(ray_session):
     config = tiny_config(one_actor_per_node_with="TPU")
     with pytest.raises(RuntimeError, match="no alive Ray node carries resource 'TPU'"):
-        ray_population(config)
+        population_of(config)
 
 
 # ---------------------------------------------------------------------- runtime
@@ -422,8 +429,8 @@ def test_start_ray_reuses_an_initialised_instance(ray_session):
 def test_population_without_ray_fails_clearly(monkeypatch):
     # As if no Ray were initialised in this process (the session's instance may be up).
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    with pytest.raises(RuntimeError, match=r"start_ray_for\(config\.population\)"):
-        ray_population(tiny_config(num_actors=1))
+    with pytest.raises(RuntimeError, match=r"start_ray_for\(population\)"):
+        population_of(tiny_config(num_actors=1))
 
 
 def test_start_ray_for_hosts_a_population_on_a_quiet_loopback_instance():
@@ -438,7 +445,7 @@ def test_start_ray_for_hosts_a_population_on_a_quiet_loopback_instance():
         config = tiny_config(num_actors=1)
         with start_ray_for(config.population) as runtime:
             assert runtime.started
-            population = ray_population(config)
+            population = population_of(config)
             addresses = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
             run_updates(config, population, 1)
             population.close()
@@ -472,6 +479,6 @@ def test_actors_no_node_can_host_fail_clearly_after_the_call_timeout(ray_session
     caplog.set_level(logging.WARNING, logger="popmeta")
     config = tiny_config(num_actors=1, resources={"no_such_accelerator": 1}, call_timeout_s=2.0)
     with pytest.raises(RuntimeError, match=r"did not start within population\.call_timeout_s"):
-        ray_population(config)
+        population_of(config)
     # Said at once, not only after the timeout.
     assert "can host 0 of 1 actors" in caplog.text
