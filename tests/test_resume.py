@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from popmeta.actors.worker import EstimatorWorker, exported_state_template
-from popmeta.config import Config, config_to_yaml
+from popmeta.config import Config, PopulationConfig, config_to_yaml
 from popmeta.experiment import EstimatorSections, WorkerSpec, initial_theta, learner_start
 from popmeta.learner.checkpoint_file import load_checkpoint
 from popmeta.learner.checkpoint_layout import (
@@ -76,7 +76,7 @@ class _Interrupting:
 
 
 def _stopping(make: Any, at_version: int) -> Any:
-    return lambda config: _Interrupting(make(config), at_version)
+    return lambda population, worker: _Interrupting(make(population, worker), at_version)
 
 
 def _final(config: Config) -> RunCheckpoint:
@@ -217,8 +217,8 @@ def test_local_run_stopped_at_a_non_multiple_step_resumes_bitwise(tmp_path, refe
 def test_second_ctrl_c_mid_round_keeps_the_checkpoint_of_the_round_boundary(tmp_path, reference):
     config = _config(tmp_path, "twice")
 
-    def factory(config: Config) -> LocalPopulation:
-        population = local_population_of(config)
+    def factory(population_config: PopulationConfig, worker: WorkerSpec) -> LocalPopulation:
+        population = LocalPopulation(population_config, worker)
         compute = population.workers[1].compute
 
         def compute_or_stop(theta: Any, version: int) -> Any:

@@ -438,9 +438,8 @@ def test_start_ray_for_hosts_a_population_on_a_quiet_loopback_instance():
     script = textwrap.dedent(
         """
         import ray
-        from popmeta.population.ray_population import RayPopulation
         from popmeta.population.ray_runtime import start_ray_for
-        from tests.population import run_updates, tiny_config
+        from tests.population import population_of, run_updates, tiny_config
 
         config = tiny_config(num_actors=1)
         with start_ray_for(config.population) as runtime:
