@@ -335,7 +335,7 @@ class _RunLoop:
         interrupted = False
         failure: BaseException | None = None
         failures = 0
-        stop.phase, stop.trained = "training", True
+        stop.begin_training()
         try:
             while learner.version < tcfg.num_steps and stop.received is None:
                 gathered = population.gather(learner.theta(), learner.version)

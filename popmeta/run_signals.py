@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -43,6 +44,11 @@ class StopSignals:
     where it is ignored (``nohup``). Python runs signal handlers in the main
     thread only, so elsewhere (a run started from a worker thread) the process
     keeps its handlers.
+
+    A handler that raises while the main thread runs a garbage-collector
+    callback (JAX registers one) has its ``KeyboardInterrupt`` discarded by
+    Python as unraisable: such an interrupt is not printed, and the start
+    stops at :meth:`begin_training` instead.
     """
 
     def __init__(self) -> None:
@@ -51,6 +57,7 @@ class StopSignals:
         self.trained = False
         self._noted = False
         self._previous: dict[int, Any] = {}
+        self._previous_unraisable_hook: Any = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         del frame
@@ -70,17 +77,32 @@ class StopSignals:
             waiting = "saving its checkpoint first" if self.phase == "saving" else "closing the run"
             _note(f"\npopmeta: {name}: {waiting}; once more after that stops at once\n")
 
+    def _unraisable(self, unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.received is not None:
+            return  # this handler's own interrupt, raised where Python cannot raise it
+        self._previous_unraisable_hook(unraisable)
+
+    def begin_training(self) -> None:
+        """Enters the training phase, unless a signal stopped the start (then raises)."""
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.phase, self.trained = "training", True
+
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 if signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN:
                     continue
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous_unraisable_hook = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
         return self
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if self._previous_unraisable_hook is not None:
+            sys.unraisablehook = self._previous_unraisable_hook
 
     def interrupted_message(self, run: RunDirectory) -> str:
         """What a signal that stopped the run outside the loop leaves behind."""
