@@ -31,14 +31,21 @@ from popmeta.actors.actor import default_compilation_cache_dir
 from popmeta.experiment import EstimatorSections, initial_theta, learner_start
 from popmeta.learner.checkpoints import restore_latest
 from popmeta.learner.learner import Learner
-from popmeta.population import ray_population
+from popmeta.population import ray_population as ray_population_module
 from popmeta.population.lifecycle import ActorStartError, PopulationLostError
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
 from popmeta.population.supervisor import ActorSupervisor
 from popmeta.run_loop import train
 from tests.events import read_scalars
-from tests.population import CALL_TIMEOUT_S, local_population, run_updates, tiny_config, tree_bytes
+from tests.population import (
+    CALL_TIMEOUT_S,
+    local_population,
+    ray_population,
+    run_updates,
+    tiny_config,
+    tree_bytes,
+)
 from tests.processes import ActorKiller
 
 pytestmark = pytest.mark.timeout(300)
@@ -209,9 +216,9 @@ def test_theta_is_put_once_per_version_or_goes_inline(ray_session, monkeypatch, 
         return real_put(value, *args, **kwargs)
 
     monkeypatch.setattr(ray, "put", counting_put)
-    inline_limit = ray_population.INLINE_THETA_BYTES
+    inline_limit = ray_population_module.INLINE_THETA_BYTES
     # As if theta were larger than the inline limit: it goes through the object store.
-    monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", 0)
+    monkeypatch.setattr(ray_population_module, "INLINE_THETA_BYTES", 0)
     steps = 5
     config = tiny_config(num_actors=num_actors, mode=mode, batch_size=num_actors)
     with ray_population(config) as population:
@@ -223,7 +230,7 @@ def test_theta_is_put_once_per_version_or_goes_inline(ray_session, monkeypatch, 
         population.gather(theta, steps)
         assert len(puts) == steps + 1
         # Within the limit (the default for this theta) it rides inside each call.
-        monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", inline_limit)
+        monkeypatch.setattr(ray_population_module, "INLINE_THETA_BYTES", inline_limit)
         assert sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(theta)) <= inline_limit
         versions = set()
         for _ in range(4):  # async: queued calls on older versions come back first
