@@ -430,7 +430,7 @@ def test_start_ray_reuses_an_initialised_instance(ray_session):
 def test_population_without_ray_fails_clearly(monkeypatch):
     # As if no Ray were initialised in this process (the session's instance may be up).
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    with pytest.raises(RuntimeError, match=r"start_ray_for\(config\.population\)"):
+    with pytest.raises(RuntimeError, match=r"start_ray_for\(population\)"):
         ray_population(tiny_config(num_actors=1))
 
 
@@ -439,9 +439,8 @@ def test_start_ray_for_hosts_a_population_on_a_quiet_loopback_instance():
     script = textwrap.dedent(
         """
         import ray
-        from popmeta.population.ray_population import RayPopulation
         from popmeta.population.ray_runtime import start_ray_for
-        from tests.population import run_updates, tiny_config
+        from tests.population import ray_population, run_updates, tiny_config
 
         config = tiny_config(num_actors=1)
         with start_ray_for(config.population) as runtime:
