@@ -26,10 +26,19 @@ from popmeta.population.ray_runtime import apply_loopback_env, quiet_fork
 apply_loopback_env()
 # A RAY_ADDRESS from the caller's shell would make "embedded" runs join a cluster.
 os.environ.pop("RAY_ADDRESS", None)
-# `ray` itself is imported where it is used: test runs without Ray skip its import.
 # Tuned baselines are cached per session, not in the user's ~/.cache.
 os.environ["POPMETA_CACHE_DIR"] = tempfile.mkdtemp(prefix="pm-cache-")
 atexit.register(shutil.rmtree, os.environ["POPMETA_CACHE_DIR"], True)
+
+# This process compiles into the persistent cache the actors use (by default,
+# or the one JAX_COMPILATION_CACHE_DIR names): the many tests that rebuild the
+# same functions (a resumed run, the tiny problems shared by many tests) load
+# them instead of compiling them again. A hit is the executable a compile
+# would make, so no result changes. Imported after the loopback environment
+# is set: it imports Ray.
+from popmeta.actors.actor import use_compilation_cache  # noqa: E402
+
+use_compilation_cache()
 
 #: Logical CPUs of the session instance: a few more than this 2-core machine
 #: has, so that tests with 3 one-CPU actors are scheduled at once.

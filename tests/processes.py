@@ -1,4 +1,4 @@
-"""Real processes for fault tests: find a run's actor processes under /proc, kill them.
+"""Real processes for tests: a child ``popmeta``'s environment; a run's actors under /proc.
 
 Ray renames an actor's process ``ray::EstimatorActor.__init__`` while its
 constructor runs and ``ray::EstimatorActor`` afterwards; the processes are
@@ -13,9 +13,24 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["STARTING_ACTOR", "ActorKiller", "descendants"]
+__all__ = ["STARTING_ACTOR", "ActorKiller", "descendants", "env_with_compilation_cache"]
 
 STARTING_ACTOR = "ray::EstimatorActor.__init__"
+
+
+def env_with_compilation_cache() -> dict[str, str]:
+    """This environment, plus this process's persistent compilation cache for a child ``popmeta``.
+
+    The child's driver then loads what earlier runs of the suite compiled (its
+    actors use that cache anyway: it is their default).
+    """
+    import jax
+
+    return {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
 
 
 def _parent_and_title(pid: str) -> tuple[int, str] | None:

@@ -19,6 +19,7 @@ from popmeta.cli import main
 from popmeta.learner.checkpoint_file import read_checkpoint_metadata
 from popmeta.learner.checkpoints import list_checkpoints
 from tests.events import read_events, read_scalars
+from tests.processes import env_with_compilation_cache
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -46,6 +47,7 @@ def popmeta(*args, tmp_path, timeout=240, **kwargs):
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env_with_compilation_cache(),
         **kwargs,
     )
 
@@ -57,15 +59,15 @@ TRAIN_ARGS = [
     "--set",
     "name=cli",
     "--set",
-    "train.num_steps=400",
+    "train.num_steps=200",
     "--set",
-    "train.checkpoint_every=100",
+    "train.checkpoint_every=50",
 ]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One real ``popmeta train`` run of 400 sync steps on two Ray actors."""
+    """One real ``popmeta train`` run of 200 sync steps on two Ray actors."""
     cwd = tmp_path_factory.mktemp("cli")
     result = popmeta(*TRAIN_ARGS, tmp_path=cwd)
     assert result.returncode == 0, result.stderr
@@ -74,7 +76,7 @@ def trained(tmp_path_factory):
 
 def test_train_meta_learns_and_keeps_the_terminal_clean(trained):
     _, result = trained
-    assert "step 400/400" in result.stderr
+    assert "step 200/200" in result.stderr
     assert re.search(r"^2 actor\(s\) on 1 node\(s\), pinned to cores", result.stdout, re.M)
     # Ray's own start-up and worker logs stay out of the user's way.
     for noise in ("Started a local Ray instance", "INFO", "(EstimatorActor"):
@@ -98,8 +100,8 @@ def test_train_writes_the_config_and_the_last_checkpoints(trained):
     run_dir = trained[0] / "runs" / "cli"
     assert (run_dir / "config.yaml").exists()
     checkpoints = list_checkpoints(run_dir / "checkpoints")
-    assert [int(p.stem.split("_")[1]) for p in checkpoints] == [200, 300, 400]
-    assert read_checkpoint_metadata(checkpoints[-1])["config"]["train"]["num_steps"] == 400
+    assert [int(p.stem.split("_")[1]) for p in checkpoints] == [100, 150, 200]
+    assert read_checkpoint_metadata(checkpoints[-1])["config"]["train"]["num_steps"] == 200
 
 
 def test_train_writes_the_full_tensorboard_tag_set(trained):
@@ -124,7 +126,7 @@ def test_train_writes_the_full_tensorboard_tag_set(trained):
     ]
     for tag in tags:
         assert tag in scalars, tag
-    assert [s for s, _ in scalars["meta_loss"]] == list(range(5, 401, 5))
+    assert [s for s, _ in scalars["meta_loss"]] == list(range(5, 201, 5))
 
     def values(tag):
         return np.array([v for _, v in scalars[tag]])
@@ -138,7 +140,7 @@ def test_train_writes_the_full_tensorboard_tag_set(trained):
     per_actor = values("inner_steps_per_s_by_actor/0") + values("inner_steps_per_s_by_actor/1")
     assert np.all(per_actor >= values("inner_steps_per_s"))  # actors also idle while others work
     # Both actors' tasks (2 x 4) pooled into one phase histogram per summary.
-    assert [n for _, n in histograms["trajectory_phase"]] == [8] * 80
+    assert [n for _, n in histograms["trajectory_phase"]] == [8] * 40
 
 
 def test_a_run_resumes_from_its_newest_checkpoint(trained, tmp_path):
@@ -147,22 +149,22 @@ def test_a_run_resumes_from_its_newest_checkpoint(trained, tmp_path):
     resumed = popmeta(
         *TRAIN_ARGS[:-4],
         "--set",
-        "train.num_steps=420",
+        "train.num_steps=220",
         "--set",
         "eval.after_training=false",
         tmp_path=tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert "at step 400" in resumed.stdout and "step 420/420" in resumed.stderr
+    assert "at step 200" in resumed.stdout and "step 220/220" in resumed.stderr
     newest = list_checkpoints(tmp_path / "runs" / "cli" / "checkpoints")[-1]
-    assert newest.name == "ckpt_00000420.npz"
+    assert newest.name == "ckpt_00000220.npz"
 
 
 def test_a_finished_run_says_so_and_a_changed_one_is_refused(trained, tmp_path):
     shutil.copytree(trained[0] / "runs", tmp_path / "runs")
     again = popmeta(*TRAIN_ARGS, tmp_path=tmp_path)
     assert again.returncode == 0, again.stderr
-    assert "already finished: step 400 of train.num_steps=400" in again.stdout
+    assert "already finished: step 200 of train.num_steps=200" in again.stdout
     assert "actor(s)" not in again.stdout  # no population, no Ray
     changed = popmeta(*TRAIN_ARGS, "--set", "estimator.kind=nres", tmp_path=tmp_path)
     assert changed.returncode == 2
@@ -212,6 +214,7 @@ def _endless_run(tmp_path, name: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env_with_compilation_cache(),
     )
 
 

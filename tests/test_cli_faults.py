@@ -29,6 +29,7 @@ from popmeta.cli import (
 from popmeta.config import config_to_yaml
 from popmeta.learner.checkpoints import list_checkpoints
 from tests.local_run import local_config
+from tests.processes import env_with_compilation_cache
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,12 +50,26 @@ POPMETA = [sys.executable, "-m", "popmeta.cli"]
 
 
 def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*POPMETA, *args], cwd=cwd, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [*POPMETA, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env_with_compilation_cache(),
+    )
 
 
 def _start(cwd: Path, *args: str) -> subprocess.Popen:
     pipe = subprocess.PIPE
-    return subprocess.Popen([*POPMETA, *args], cwd=cwd, stdout=pipe, stderr=pipe, text=True)
+    return subprocess.Popen(
+        [*POPMETA, *args],
+        cwd=cwd,
+        stdout=pipe,
+        stderr=pipe,
+        text=True,
+        env=env_with_compilation_cache(),
+    )
 
 
 def _paragraph(stderr: str) -> str:

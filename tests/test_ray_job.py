@@ -42,6 +42,7 @@ import pytest
 from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.population.ray_runtime import LOOPBACK_ENV
 from tests.events import read_scalars
+from tests.population import CALL_TIMEOUT_S
 from tests.user_kinds import USER_KINDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +79,7 @@ TRAIN_OVERRIDES = [
     "train.log_every=10",
     "eval.num_tasks=2",
     "eval.num_steps=5",
-    "population.call_timeout_s=60",
+    f"population.call_timeout_s={CALL_TIMEOUT_S}",
 ]
 
 pytestmark = pytest.mark.timeout(HEAD_START_TIMEOUT_S + JOB_TIMEOUT_S + 2 * HEAD_STOP_TIMEOUT_S)
@@ -307,15 +308,15 @@ def test_the_job_wrote_checkpoints_and_events_where_it_was_told(submitted):
     assert (run / "config.yaml").exists()
 
 
-USER_RUN = """
+USER_RUN = f"""
 name: user-job
-task: {kind: "job_kinds:noisy_targets", dim: 3}
-learned_optimizer: {kind: "job_kinds:LogLrSGD", initial_lr: 0.05}
-truncation: {kind: constant, length: 20}
-estimator: {kind: pes, trunc_length: 5, num_tasks: 2, random_initial_iteration_offset: 20}
-population: {num_actors: 1, call_timeout_s: 60}
-train: {num_steps: 10, checkpoint_every: 10, log_every: 5}
-eval: {num_tasks: 2, num_steps: 5, after_training: false}
+task: {{kind: "job_kinds:noisy_targets", dim: 3}}
+learned_optimizer: {{kind: "job_kinds:LogLrSGD", initial_lr: 0.05}}
+truncation: {{kind: constant, length: 20}}
+estimator: {{kind: pes, trunc_length: 5, num_tasks: 2, random_initial_iteration_offset: 20}}
+population: {{num_actors: 1, call_timeout_s: {CALL_TIMEOUT_S}}}
+train: {{num_steps: 10, checkpoint_every: 10, log_every: 5}}
+eval: {{num_tasks: 2, num_steps: 5, after_training: false}}
 """
 
 

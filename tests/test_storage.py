@@ -27,6 +27,7 @@ from popmeta.run_dir import RunDirectoryError
 from popmeta.run_loop import DivergedError, train
 from popmeta.storage import Mirror, RemoteDir, RemoteLock, StorageError, is_remote, join, parent
 from tests.local_run import local_config, no_population
+from tests.processes import env_with_compilation_cache
 
 BUCKET = "popmeta-test"
 RUNS = f"s3://{BUCKET}/runs"
@@ -76,6 +77,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=600,
         cwd=cwd,
+        env=env_with_compilation_cache(),
     )
 
 

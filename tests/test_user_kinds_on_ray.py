@@ -22,22 +22,24 @@ import pytest
 import popmeta as pm
 from popmeta.cli import EX_CONFIG
 from popmeta.learner.checkpoints import list_checkpoints
+from tests.population import CALL_TIMEOUT_S
+from tests.processes import env_with_compilation_cache
 from tests.user_kinds import USER_KINDS
 
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 
-RUN = """
+RUN = f"""
     name: mine
-    task: {kind: "my_kinds:noisy_targets", dim: 3, noise: 0.1}
-    learned_optimizer: {kind: "my_kinds:LogLrSGD", initial_lr: 0.05}
-    truncation: {kind: constant, length: 20}
-    estimator: {kind: pes, trunc_length: 5, num_tasks: 4, random_initial_iteration_offset: 20}
-    outer_optimizer: {kind: "optax:adamw", learning_rate: 0.01, weight_decay: 0.0001}
-    population: {num_actors: 2, call_timeout_s: 60}
-    train: {num_steps: 40, checkpoint_every: 20, log_every: 20}
-    eval: {num_tasks: 2, num_steps: 5, after_training: false}
+    task: {{kind: "my_kinds:noisy_targets", dim: 3, noise: 0.1}}
+    learned_optimizer: {{kind: "my_kinds:LogLrSGD", initial_lr: 0.05}}
+    truncation: {{kind: constant, length: 20}}
+    estimator: {{kind: pes, trunc_length: 5, num_tasks: 4, random_initial_iteration_offset: 20}}
+    outer_optimizer: {{kind: "optax:adamw", learning_rate: 0.01, weight_decay: 0.0001}}
+    population: {{num_actors: 2, call_timeout_s: {CALL_TIMEOUT_S}}}
+    train: {{num_steps: 40, checkpoint_every: 20, log_every: 20}}
+    eval: {{num_tasks: 2, num_steps: 5, after_training: false}}
 """
 
 
@@ -52,7 +54,14 @@ def _popmeta(cwd: Path, *args: str, driver: str | None = None) -> subprocess.Com
             *args,
         ]
     )
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env_with_compilation_cache(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +145,7 @@ SMALL = [
     "--set",
     "eval.after_training=false",
     "--set",
-    "population.call_timeout_s=60",
+    f"population.call_timeout_s={CALL_TIMEOUT_S}",
 ]
 
 

@@ -26,7 +26,7 @@ from popmeta.learner.learner import Learner
 from popmeta.population.ray_population import RayPopulation
 from tests.population import CALL_TIMEOUT_S, population_of, quiet_fork, run_updates, tiny_config
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 
 #: Health checks every 0.5 s, 3 misses: a removed node's actors fail with
 #: ActorDiedError in about 1.5 s (Ray's defaults take about 15 s).
@@ -153,7 +153,7 @@ def test_cli_joins_a_running_cluster_and_leaves_it_running(nodes, tmp_path, how)
         "--set",
         "population.resources={accel_b: 1}",
         "--set",
-        "population.call_timeout_s=60",
+        f"population.call_timeout_s={CALL_TIMEOUT_S}",
     ]
     env = dict(os.environ)
     if how == "--address":

@@ -32,7 +32,7 @@ from popmeta.actors.records import ActorInfo
 from popmeta.experiment import EstimatorSections, initial_theta, learner_start
 from popmeta.learner.checkpoint_layout import load_run_checkpoint
 from popmeta.learner.learner import Learner
-from popmeta.population import ray_population
+from popmeta.population import ray_population as ray_population_module
 from popmeta.population.lifecycle import ActorStartError, PopulationLostError
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
@@ -49,7 +49,7 @@ from tests.population import (
 )
 from tests.processes import ActorKiller
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -216,9 +216,9 @@ def test_theta_is_put_once_per_version_or_goes_inline(ray_session, monkeypatch, 
         return real_put(value, *args, **kwargs)
 
     monkeypatch.setattr(ray, "put", counting_put)
-    inline_limit = ray_population.INLINE_THETA_BYTES
+    inline_limit = ray_population_module.INLINE_THETA_BYTES
     # As if theta were larger than the inline limit: it goes through the object store.
-    monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", 0)
+    monkeypatch.setattr(ray_population_module, "INLINE_THETA_BYTES", 0)
     steps = 5
     config = tiny_config(num_actors=num_actors, mode=mode, batch_size=num_actors)
     with population_of(config) as population:
@@ -230,7 +230,7 @@ def test_theta_is_put_once_per_version_or_goes_inline(ray_session, monkeypatch, 
         population.gather(theta, steps)
         assert len(puts) == steps + 1
         # Within the limit (the default for this theta) it rides inside each call.
-        monkeypatch.setattr(ray_population, "INLINE_THETA_BYTES", inline_limit)
+        monkeypatch.setattr(ray_population_module, "INLINE_THETA_BYTES", inline_limit)
         assert sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(theta)) <= inline_limit
         versions = set()
         for _ in range(4):  # async: queued calls on older versions come back first
@@ -360,11 +360,12 @@ def test_replacements_start_compiled_from_the_persistent_cache(ray_session, tmp_
         assert warm.compilation_cache_misses == 0
 
 
-def test_actors_use_a_per_user_compilation_cache_by_default(ray_session):
-    with population_of(tiny_config(num_actors=1)) as population:
-        (info,) = population.describe_actors()
-    assert info.compilation_cache_dir == default_compilation_cache_dir()
-    assert str(os.getuid()) in info.compilation_cache_dir
+def test_actors_use_a_per_user_compilation_cache_by_default(sync_runs):
+    # The sync runs' actors: population.env names no cache.
+    assert "JAX_COMPILATION_CACHE_DIR" not in sync_runs["config"].population.env
+    for info in sync_runs["info"]:
+        assert info.compilation_cache_dir == default_compilation_cache_dir()
+        assert str(os.getuid()) in info.compilation_cache_dir
 
 
 def test_population_gives_up_when_a_rank_keeps_dying(ray_session):

@@ -13,7 +13,7 @@ from popmeta.run_loop import train
 from tests.events import read_events
 from tests.population import tiny_config
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_async_run_summaries_are_complete_and_sane(ray_session, tmp_path):
