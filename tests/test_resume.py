@@ -38,7 +38,8 @@ from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation
 from popmeta.run_loop import train
 from tests.local_run import local_config
-from tests.population import local_population_of, population_of, tree_bytes
+from tests.population import CALL_TIMEOUT_S, local_population_of, population_of, tree_bytes
+from tests.processes import env_with_compilation_cache
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -271,7 +272,7 @@ def test_a_take_over_with_another_estimator_starts_the_workers_afresh(tmp_path):
 
 
 def _ray_config(run_dir: Path, name: str, **population: Any) -> Config:
-    settings = {"engine": "ray", "num_actors": 2, "call_timeout_s": 60.0, **population}
+    settings = {"engine": "ray", "num_actors": 2, "call_timeout_s": CALL_TIMEOUT_S, **population}
     return _config(run_dir, name, population=settings)
 
 
@@ -340,7 +341,11 @@ def test_driver_killed_after_a_checkpoint_resumes_bitwise(tmp_path):
     command = [sys.executable, "-m", "popmeta.cli", "train", str(config_file)]
     checkpoints = tmp_path / "killed" / "checkpoints"
     with subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env_with_compilation_cache(),
     ) as driver:
         deadline = time.monotonic() + 180
         while not list_checkpoints(checkpoints) and driver.poll() is None:
@@ -352,7 +357,14 @@ def test_driver_killed_after_a_checkpoint_resumes_bitwise(tmp_path):
     killed_at = list_checkpoints(checkpoints)[-1]
     assert read_run_metadata(killed_at).step < steps
 
-    rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    rerun = subprocess.run(
+        command,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env_with_compilation_cache(),
+    )
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"resumed from {killed_at}" in rerun.stdout
     assert "worker states restored: rank(s) [0, 1]" in rerun.stdout
