@@ -92,6 +92,7 @@ def _flops_per_inner_step(name: str, lopt) -> float | None:
 
 def run_one(name: str, seconds: float) -> dict:
     import jax
+    import numpy as np
     import optax
 
     from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
@@ -101,6 +102,8 @@ def run_one(name: str, seconds: float) -> dict:
     flops_per_step = _flops_per_inner_step(name, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
     apply = build_apply_estimates_fn(donate_params_and_state=True)
+    # Weights passed explicitly: a tree from before they were optional runs this script too.
+    one_estimate = np.ones(1, np.float32)
     worker = estimator.init_worker_state(train_state.params, jax.random.key(2))
 
     lowered = jax.jit(estimator.estimate).lower(train_state.params, worker, jax.random.key(0))
@@ -117,7 +120,7 @@ def run_one(name: str, seconds: float) -> dict:
             train_state.params, worker, call_key(root_key, i)
         )
         worker = out.state
-        train_state, _, _ = apply(train_state, [out.grad])
+        train_state, _, _ = apply(train_state, [out.grad], one_estimate)
 
     for i in range(3):
         one(i)
