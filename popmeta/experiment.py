@@ -127,11 +127,17 @@ class WorkerSpec(NamedTuple):
     theta: Any
 
     @classmethod
-    def of(cls, config: Config) -> WorkerSpec:
-        """The spec of ``config``'s workers (builds only theta's template: nothing is computed)."""
+    def of(cls, config: Config, theta: Any = None) -> WorkerSpec:
+        """The spec of ``config``'s workers.
+
+        Args:
+          config: the run's config.
+          theta: the initial theta, if at hand; else only its template is
+            traced (nothing is computed).
+        """
         sections = EstimatorSections.of(config)
-        theta = jax.eval_shape(lambda: initial_theta(sections))
-        return cls(sections, config.population.shard_tasks, theta)
+        template = jax.eval_shape(lambda: initial_theta(sections) if theta is None else theta)
+        return cls(sections, config.population.shard_tasks, template)
 
 
 class LearnerStart(NamedTuple):
@@ -197,12 +203,8 @@ def build_experiment(config: Config) -> Experiment:
     for where, task in tasks:
         _build(task, where=where)
     start = learner_start(config)
-    theta = jax.eval_shape(lambda: start.theta)
-    return Experiment(
-        worker=WorkerSpec(EstimatorSections.of(config), config.population.shard_tasks, theta),
-        estimator=build_estimator(EstimatorSections.of(config)),
-        learner=start,
-    )
+    worker = WorkerSpec.of(config, start.theta)
+    return Experiment(worker=worker, estimator=build_estimator(worker.sections), learner=start)
 
 
 def build_task_family(cfg: TaskConfig) -> TaskFamily:
