@@ -19,12 +19,9 @@ from popmeta.actors.records import ActorInfo
 from popmeta.config import PopulationConfig
 from popmeta.population.ray_population import AsyncGather, SyncGather
 from popmeta.population.supervisor import ActorSupervisor
-from tests.population import stand_in_info
+from tests.population import CALL_TIMEOUT_S, stand_in_info
 
-pytestmark = pytest.mark.timeout(120)
-
-#: Long enough for a bare actor process to start on a busy machine.
-TIMEOUT_S = 20.0
+pytestmark = pytest.mark.timeout(2 * CALL_TIMEOUT_S)
 
 
 @ray.remote
@@ -49,7 +46,7 @@ def supervisor(compute_s: list[float], replacement_start_s: float = 0.0) -> Acto
         num_actors=len(compute_s),
         num_cpus=0.25,
         pin_cpus=False,
-        call_timeout_s=TIMEOUT_S,
+        call_timeout_s=CALL_TIMEOUT_S,
         max_actor_restarts=5,
     )
 
@@ -90,7 +87,7 @@ def test_sync_round_completes_without_a_lost_actor_and_its_replacement_joins_onc
         assert starting.estimates == [(1, 0, 2)] and starting.missing == (0,)
 
         # Once ready, it is in every round again.
-        version, deadline = 3, time.monotonic() + TIMEOUT_S
+        version, deadline = 3, time.monotonic() + CALL_TIMEOUT_S
         while (gathered := policy.gather(theta, version)).missing:
             assert time.monotonic() < deadline, "the replacement never joined a round"
             version += 1

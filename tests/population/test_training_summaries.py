@@ -55,7 +55,11 @@ def test_async_run_summaries_are_complete_and_sane(ray_session, tmp_path):
     assert np.all((staleness_max <= 1) | (late_in_window > 0))
     assert np.all(values("staleness_mean") <= staleness_max)
     assert np.all(values("missing_estimates") == 0) and np.all(values("lost_in_flight") == 0)
-    assert np.any(staleness_max == 1)  # queued calls really run on older theta
+    # Queued calls really run on older theta. Not `== 1` in some window: on a
+    # loaded machine one actor can starve in every window, and the guard's
+    # late estimate is then each window's maximum (test_ray_population checks
+    # that estimates one version old are accepted at bound 1).
+    assert np.any(staleness_max >= 1)
     assert [n for _, n in histograms["staleness"]] == [20] * 6
     dropped = values("dropped_stale")
     assert np.all(np.diff(dropped) >= 0)  # a running total
