@@ -17,6 +17,11 @@ Run: ``python bench/population.py [--seconds 8]``
 3. The learner's capacity: updates/s and estimates/s it absorbs for theta of
    1e3, 1e5 and 1e6 floats when estimates arrive instantly (aggregation, the
    jitted donating Adam step, the host copy of theta and its one ``ray.put``).
+4. ``estimator.truncations_per_call: auto`` on the quickstart and the
+   tutorial's config, as ``popmeta train`` runs them (2 actors, sync): the
+   number it chooses, then the Ray engine against the local engine at that
+   number, alternating. ``--burners N`` runs it beside N busy processes (a
+   loaded machine).
 
 Every rate is measured after compilation and warm-up, over the whole learner
 loop (gather, aggregate, update).
@@ -25,9 +30,13 @@ loop (gather, aggregate, update).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -39,15 +48,17 @@ import ray
 
 from popmeta.config import load_config
 from popmeta.estimate import Estimate, aggregate
-from popmeta.experiment import learner_start
+from popmeta.experiment import WorkerSpec, learner_start
 from popmeta.learner.learner import Learner
 from popmeta.learner.train_state import (
     TrainState,
     build_apply_estimates_fn,
     make_outer_optimizer,
 )
+from popmeta.population.call_size import size_calls
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation, theta_argument
+from popmeta.population.ray_runtime import start_ray
 
 WORK = {
     "c": [
@@ -70,7 +81,9 @@ WORK = {
 
 
 def _config(work: str, *extra: str):
-    return load_config(None, [*WORK[work], "population.pin_cpus=true", *extra])
+    return load_config(
+        None, [*WORK[work], "estimator.truncations_per_call=1", "population.pin_cpus=true", *extra]
+    )
 
 
 def inner_steps_per_s(config, population_cls, seconds: float) -> tuple[float, int]:
@@ -80,7 +93,7 @@ def inner_steps_per_s(config, population_cls, seconds: float) -> tuple[float, in
       Inner steps per second, and the inner steps of one estimate.
     """
     learner = Learner.of(learner_start(config))
-    population = population_cls(config)
+    population = population_cls(config.population, WorkerSpec.of(config))
     try:
         for _ in range(3):
             learner.update(population.gather(learner.theta(), learner.version).estimates)
@@ -256,31 +269,89 @@ def capacity(sec: float) -> None:
             print(f"   {size:>12,} {batch:>10} {updates:>10,.1f} {estimates:>12,.1f}")
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tutorial_config_file(folder: str) -> str:
+    """The tutorial's ``tutorial.yaml``, as docs/tutorial.md gives it, written to ``folder``."""
+    text = (REPO / "docs" / "tutorial.md").read_text(encoding="utf-8")
+    blocks = [b.split("```", 1)[0] for b in text.split("```yaml\n")[1:]]
+    (block,) = [b for b in blocks if b.startswith("name: tutorial")]
+    path = os.path.join(folder, "tutorial.yaml")
+    Path(path).write_text(block, encoding="utf-8")
+    return path
+
+
+@contextlib.contextmanager
+def _burners(count: int):
+    """``count`` processes that keep a core busy each, for as long as the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def auto_sized(sec: float, folder: str, burners: int) -> None:
+    """Part 4: the number ``auto`` chooses, and both engines at it."""
+    configs = {
+        "quickstart": str(REPO / "configs" / "quickstart.yaml"),
+        "tutorial": _tutorial_config_file(folder),
+    }
+    load = f"beside {burners} busy processes" if burners else "idle"
+    print(f"\n4. truncations_per_call: auto, 2 actors, sync, {load} (inner-steps/s)")
+    print(f"   {'config':<11} {'chosen':>7} {'local':>12} {'ray':>12} {'ratio':>6}  measured")
+    with _burners(burners):
+        for name, path in configs.items():
+            config = load_config(path)
+            learner = Learner.of(learner_start(config))
+            with RayPopulation(config.population, WorkerSpec.of(config)) as population:
+                size = size_calls(population, learner.theta())
+            cost = size.cost
+            measured = (
+                "-"
+                if cost is None
+                else f"{cost.truncation_s * 1e3:.3g} ms/truncation, {cost.overhead_s * 1e3:.3g} "
+                "ms more per call"
+            )
+            chosen = load_config(
+                path, [f"estimator.truncations_per_call={size.truncations_per_call}"]
+            )
+            rates: dict[str, list[float]] = {"local": [], "ray": []}
+            for _ in range(2):  # alternating
+                rates["local"].append(inner_steps_per_s(chosen, LocalPopulation, sec)[0])
+                rates["ray"].append(inner_steps_per_s(chosen, RayPopulation, sec)[0])
+            local, ray_rate = (float(np.median(rates[k])) for k in ("local", "ray"))
+            print(
+                f"   {name:<11} {size.truncations_per_call:>7} {local:>12,.0f} {ray_rate:>12,.0f} "
+                f"{ray_rate / local:>5.2f}x  {measured}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--truncations-per-call", type=int, default=64)
-    parser.add_argument("--parts", default="1,2,3", help="which of the parts above to run")
+    parser.add_argument("--parts", default="1,2,3,4", help="which of the parts above to run")
+    parser.add_argument("--burners", type=int, default=0, help="busy processes beside part 4")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    with tempfile.TemporaryDirectory(prefix="popmeta-bench-") as tmp:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=512 * 2**20,
-            _temp_dir=tmp,
-        )
-        try:
-            if "1" in parts:
-                engines(args.seconds, args.truncations_per_call)
-            if "2" in parts:
-                weak_scaling(args.seconds, args.truncations_per_call)
-            if "3" in parts:
-                capacity(args.seconds)
-        finally:
-            ray.shutdown()
+    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    with (
+        tempfile.TemporaryDirectory(prefix="pm-bench-") as tmp,
+        start_ray(None, num_cpus=2, temp_dir=tmp, object_store_memory=512 * 2**20),
+    ):
+        if "1" in parts:
+            engines(args.seconds, args.truncations_per_call)
+        if "2" in parts:
+            weak_scaling(args.seconds, args.truncations_per_call)
+        if "3" in parts:
+            capacity(args.seconds)
+        if "4" in parts:
+            auto_sized(args.seconds, tmp, args.burners)
+    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ needs, and a kind that fails names itself.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -138,6 +139,13 @@ class WorkerSpec(NamedTuple):
         sections = EstimatorSections.of(config)
         template = jax.eval_shape(lambda: initial_theta(sections) if theta is None else theta)
         return cls(sections, config.population.shard_tasks, template)
+
+    def with_truncations_per_call(self, num_truncations: int) -> WorkerSpec:
+        """The same spec with ``estimator.truncations_per_call`` set (``auto`` resolved)."""
+        estimator = dataclasses.replace(
+            self.sections.estimator, truncations_per_call=num_truncations
+        )
+        return self._replace(sections=self.sections._replace(estimator=estimator))
 
 
 class LearnerStart(NamedTuple):

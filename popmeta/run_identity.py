@@ -26,6 +26,7 @@ __all__ = [
     "config_differences",
     "record_config",
     "recorded_config",
+    "with_recorded_call_size",
 ]
 
 #: Dotted fields (or section prefixes ending in ".") that a resumed run may change.
@@ -120,6 +121,22 @@ def check_identity(run: RunDirectory, config: Config) -> None:
             + "; ".join(differences)
             + f". Start a new run with --set name=NEW{takeover}."
         )
+
+
+def with_recorded_call_size(run: RunDirectory, config: Config) -> Config:
+    """``config`` with ``estimator.truncations_per_call: auto`` as ``run`` recorded it.
+
+    ``auto`` is measured once, when a run first starts, and recorded as the
+    number it chose: a resume continues with that number, so it is as
+    deterministic as a run with the number set. A new run, or a config that
+    sets a number, is returned as it is.
+    """
+    if config.estimator.truncations_per_call != "auto":
+        return config
+    recorded = recorded_config(run)
+    if recorded is None or recorded.estimator.truncations_per_call == "auto":
+        return config
+    return config.with_truncations_per_call(recorded.estimator.truncations_per_call)
 
 
 def record_config(run: RunDirectory, config: Config) -> None:

@@ -38,11 +38,12 @@ from popmeta.footprint import check_memory
 from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Population
+from popmeta.population.call_size import size_calls
 from popmeta.population.engines import PopulationFactory, open_population
 from popmeta.progress import Progress
 from popmeta.run_checkpoints import RunCheckpoints
 from popmeta.run_dir import RunDirectory, RunWriteError
-from popmeta.run_identity import check_identity, record_config
+from popmeta.run_identity import check_identity, record_config, with_recorded_call_size
 from popmeta.run_signals import RunInterrupted, StopSignals
 from popmeta.summaries import RoundStats, Summaries
 
@@ -122,6 +123,13 @@ def _placement(config: Config, actors: list[ActorInfo]) -> str:
     pinned = [actor.pinned_cores for actor in actors]
     if any(pinned):
         text += ", pinned to cores " + " ".join(str(cores) for cores in pinned)
+    niced = sorted({actor.niceness for actor in actors if actor.niceness})
+    if niced:
+        text += (
+            f"; the actors run at nice {'/'.join(map(str, niced))} (Ray's worker_niceness): "
+            "any busy process on their nodes comes first. Start the cluster's nodes with "
+            "RAY_worker_niceness=0 in their environment to give them a fair share"
+        )
     return text
 
 
@@ -183,6 +191,7 @@ def _start(
     stop: StopSignals,
 ) -> RunResult:
     run.check_writable()
+    config = with_recorded_call_size(run, config)
     experiment = build_experiment(config)
     check_memory(experiment.estimator, experiment.worker.theta, config.population)
     with run.claim():
@@ -278,6 +287,8 @@ class _RunLoop:
                 )
             )
             print(_placement(config, population.describe_actors()), file=stream)
+            if config.estimator.truncations_per_call == "auto":
+                config = self._size_calls(population)
             if worker_states:
                 _load_worker_states(population, worker_states, stream)
             try:
@@ -318,6 +329,15 @@ class _RunLoop:
             checkpoint=_newest_checkpoint(run),
         )
 
+    def _size_calls(self, population: Population) -> Config:
+        """Resolves ``truncations_per_call: auto`` by measurement; the run records the number."""
+        size = size_calls(population, self.learner.theta())
+        population.use_truncations_per_call(size.truncations_per_call)
+        print(size.describe(), file=self.stream)
+        self.config = self.config.with_truncations_per_call(size.truncations_per_call)
+        self.checkpoints.config = config_to_dict(self.config)
+        return self.config
+
     def _loop(
         self,
         population: Population,
@@ -329,6 +349,7 @@ class _RunLoop:
         learner, tcfg, stop = self.learner, self.config.train, self.stop
         stats = RoundStats(
             population.steps_per_estimate,
+            self.config.estimator.truncations_per_call,
             self.config.task.kind,
             actors=self.config.population.engine == "ray",
         )
@@ -404,6 +425,7 @@ class _RunLoop:
         fields = {
             "meta_loss": f"{meta_loss:.4f}",
             "est/s": f"{stats.last_estimates_per_s:.1f}",
+            "trunc/call": str(self.config.estimator.truncations_per_call),
             "actors": str(population.num_live),
         }
         progress.update(step, tcfg.num_steps, fields)

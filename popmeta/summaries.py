@@ -169,6 +169,8 @@ class RoundStats:
 
     Args:
       steps_per_estimate: inner steps behind one estimate.
+      truncations_per_call: truncations behind one estimate (written as a
+        scalar: ``auto`` chose it at the start).
       task_family: the family the meta-loss is reported under when the
         estimates carry no per-family losses.
       actors: the workers are actors (the Ray engine): staleness, drops,
@@ -176,8 +178,15 @@ class RoundStats:
         has none of them.
     """
 
-    def __init__(self, steps_per_estimate: int, task_family: str, actors: bool = True):
+    def __init__(
+        self,
+        steps_per_estimate: int,
+        truncations_per_call: int,
+        task_family: str,
+        actors: bool = True,
+    ):
         self.steps_per_estimate = steps_per_estimate
+        self.truncations_per_call = truncations_per_call
         self.task_family = task_family
         self.actors = actors
         self.dropped_stale_by_actor: dict[int, int] = defaultdict(int)
@@ -237,6 +246,7 @@ class RoundStats:
             "learner_update_time": np.mean(self._update_times) if self._update_times else 0.0,
             "estimates_per_s": self.last_estimates_per_s,
             "inner_steps_per_s": self.last_estimates_per_s * self.steps_per_estimate,
+            "truncations_per_call": self.truncations_per_call,
             "rejected_nonfinite": self.rejected_nonfinite,
         }
         if self.actors:

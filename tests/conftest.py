@@ -21,7 +21,7 @@ import tempfile
 
 import pytest
 
-from popmeta.population.ray_runtime import apply_loopback_env, quiet_fork
+from popmeta.population.ray_runtime import EMBEDDED_SYSTEM_CONFIG, apply_loopback_env, quiet_fork
 
 apply_loopback_env()
 # A RAY_ADDRESS from the caller's shell would make "embedded" runs join a cluster.
@@ -73,6 +73,8 @@ class LocalRay:
                 logging_level=logging.WARNING,
                 object_store_memory=SESSION_OBJECT_STORE_BYTES,
                 _temp_dir=self._temp_dir,
+                # The actors' niceness as popmeta's embedded instance has it.
+                _system_config=EMBEDDED_SYSTEM_CONFIG,
             )
         self.starts += 1
         self.up = True

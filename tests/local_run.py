@@ -18,7 +18,14 @@ def local_config(run_dir: Any, name: str = "ident", **sections: dict[str, Any]) 
         "task": {"kind": "fixed_dim_quadratic", "dim": 3},
         "learned_optimizer": {"kind": "learnable_sgd"},
         "truncation": {"kind": "constant", "length": 10},
-        "estimator": {"num_tasks": 2, "trunc_length": 5, "random_initial_iteration_offset": 10},
+        # One truncation per call, not ``auto``: runs the tests compare bit for bit
+        # must not size their calls by a measurement each.
+        "estimator": {
+            "num_tasks": 2,
+            "trunc_length": 5,
+            "random_initial_iteration_offset": 10,
+            "truncations_per_call": 1,
+        },
         "outer_optimizer": {"learning_rate": 0.01},
         "population": {"engine": "local"},
         "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 2},

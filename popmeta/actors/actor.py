@@ -23,7 +23,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import ray
 
 from popmeta.actors.records import ActorInfo, WorkerState
@@ -134,30 +133,6 @@ def _threads_within(cores: set[int]) -> bool:
     return True
 
 
-def _warm_up(worker: Any) -> None:
-    """Compiles the worker's estimate by running it once on throwaway state.
-
-    The throwaway state starts from a theta of zeros with a key of its own;
-    the worker's state and keys are untouched, so its estimates are exactly
-    those of a worker that was not warmed up. The jitted functions compiled are
-    the ones the worker's calls use (same shapes and dtypes, theta as numpy
-    arrays as it arrives from the object store). Skipped when the truncated
-    step pulls host batches: a warm-up call would consume batches that belong
-    to the worker's estimates.
-    """
-    import jax
-
-    if getattr(worker.estimator.truncated_step, "host_data", False):
-        return
-    theta = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), worker.spec.theta)
-    key = jax.random.key(0)
-    state = worker.runner.init_worker_state(theta, key)
-    out, _ = worker.runner.compute_gradient_estimate(
-        theta, state, jax.random.fold_in(key, 1), num_truncations=worker.truncations_per_call
-    )
-    jax.block_until_ready(out.grad)
-
-
 class ActorBuildError(RuntimeError):
     """The actor could not build its worker; raised by its ``info()``, naming where it ran."""
 
@@ -211,7 +186,7 @@ class EstimatorActor:
 
         self._worker = EstimatorWorker(spec, self.rank, self.restart)
         built = time.perf_counter()
-        _warm_up(self._worker)
+        self._worker.throwaway(self._worker.truncations_per_call)
         done = time.perf_counter()
         self._start = {
             "start_s": done - start,
@@ -234,6 +209,19 @@ class EstimatorActor:
           them (Ray ships numpy arrays faster than ``jax.Array`` leaves).
         """
         return self._worker.compute(theta, version)
+
+    def throwaway(self, theta: Any, num_truncations: int) -> Estimate | None:
+        """A throwaway estimate on ``theta`` that keeps its state for the next one; see
+        :meth:`~popmeta.actors.worker.EstimatorWorker.throwaway`. Timed, it tells
+        the driver what a call costs (:mod:`popmeta.population.call_size`).
+        """
+        return self._worker.throwaway(num_truncations, theta, keep=True)
+
+    def use_truncations_per_call(self, num_truncations: int) -> int:
+        """Compiles and then runs ``num_truncations`` truncations per call; returns the
+        inner steps behind one estimate now."""
+        self._worker.use_truncations_per_call(num_truncations)
+        return int(self._worker.steps_per_estimate)
 
     def export_state(self) -> WorkerState | None:
         """The worker's :meth:`~popmeta.actors.worker.EstimatorWorker.export_state`.
@@ -281,5 +269,6 @@ class EstimatorActor:
             threads_pinned=self._pinned is not None and _threads_within(set(self._pinned)),
             jax_local_device_count=jax.local_device_count(),
             compilation_cache_dir=jax.config.jax_compilation_cache_dir,
+            niceness=os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
             **self._start,
         )

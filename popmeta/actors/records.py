@@ -43,6 +43,8 @@ class ActorInfo(NamedTuple):
         it is off.
       compilation_cache_hits: persistent-cache hits during the constructor.
       compilation_cache_misses: persistent-cache misses during the constructor.
+      niceness: the actor process's nice value (Ray's ``worker_niceness``;
+        above 0, any busier process on its node comes first).
     """
 
     rank: int
@@ -62,6 +64,7 @@ class ActorInfo(NamedTuple):
     compilation_cache_dir: str | None = None
     compilation_cache_hits: int | None = None
     compilation_cache_misses: int | None = None
+    niceness: int | None = None
 
 
 class WorkerState(NamedTuple):

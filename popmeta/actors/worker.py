@@ -5,7 +5,9 @@ driver; the Ray engine wraps the same class in an actor, so both engines
 compute bit-for-bit the same estimates for the same seeds. The worker calls
 one :class:`~popmeta.core.estimators.EstimateRunner` (tasks sharded over
 several local devices, or the plain single-device runner), averaging
-``estimator.truncations_per_call`` truncations per call.
+``estimator.truncations_per_call`` truncations per call. A *throwaway*
+estimate (:meth:`EstimatorWorker.throwaway`) runs on a state of its own, to
+compile a call or time one without touching the worker's estimates.
 
 Its *exported state* (:meth:`EstimatorWorker.export_state`) is everything
 besides theta that decides its next estimate, so a worker that loads it
@@ -159,7 +161,8 @@ class EstimatorWorker:
     Attributes:
       estimator: the gradient estimator.
       runner: what runs it (sharded over the local devices, or on one device).
-      truncations_per_call: truncations behind each estimate.
+      truncations_per_call: truncations behind each estimate; 1 until
+        :meth:`use_truncations_per_call` sets it when the spec says ``auto``.
 
     Raises:
       ValueError: if the tasks are to be sharded over the local devices and
@@ -173,9 +176,11 @@ class EstimatorWorker:
         self.spec = spec
         self.estimator = build_estimator(spec.sections)
         self.runner: EstimateRunner = _runner(spec.shard_tasks, self.estimator)
-        self.truncations_per_call = spec.sections.estimator.truncations_per_call
+        configured = spec.sections.estimator.truncations_per_call
+        self.truncations_per_call: int = 1 if configured == "auto" else configured
         self._key = worker_key(spec.sections.seed, rank, restart)
         self._state: Any = None
+        self._throwaway_state: Any = None
         # A loaded state, as host arrays: placed on the devices by the next call.
         self._loaded: Any = None
         self._template: WorkerState | None = None
@@ -226,6 +231,12 @@ class EstimatorWorker:
         )
         self._state = out.state
         phases = None if self._phases is None else np.asarray(self._phases(out.state))
+        return self._estimate(out, metrics, phases, version, start)
+
+    def _estimate(
+        self, out: Any, metrics: Any, phases: np.ndarray | None, version: int, start: float
+    ) -> Estimate:
+        """The estimate with host arrays, timed from ``start``."""
         grad = jax.tree_util.tree_map(np.asarray, out.grad)
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["compute_time_s"] = time.perf_counter() - start
@@ -238,6 +249,56 @@ class EstimatorWorker:
             metrics,
             phases=phases,
         )
+
+    @property
+    def can_throw_away(self) -> bool:
+        """Whether throwaway estimates leave the worker's estimates as they are.
+
+        Not when the truncated step pulls host batches: a throwaway estimate
+        would consume batches that belong to the worker's estimates.
+        """
+        return not getattr(self.estimator.truncated_step, "host_data", False)
+
+    def throwaway(
+        self, num_truncations: int, theta: Any = None, keep: bool = False
+    ) -> Estimate | None:
+        """An estimate of ``num_truncations`` truncations that changes nothing of the worker.
+
+        It runs on a state of its own, from a key of its own (the first from a
+        theta of zeros), so the worker's estimates stay exactly those of a
+        worker that never ran one. It compiles (or, timed, measures) the
+        function the worker's calls use: same shapes and dtypes, theta as
+        numpy arrays as it arrives from the learner.
+
+        Args:
+          num_truncations: truncations behind it.
+          theta: the meta-parameters (default zeros of the spec's theta).
+          keep: keep the throwaway state for the next one (timed calls),
+            rather than free it.
+
+        Returns:
+          The estimate, as :meth:`compute` returns it (``compute_time_s`` among
+          its metrics); None when the worker cannot throw one away
+          (:attr:`can_throw_away`).
+        """
+        if not self.can_throw_away:
+            return None
+        start = time.perf_counter()
+        if theta is None:
+            theta = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), self.spec.theta)
+        key = jax.random.key(0)
+        if self._throwaway_state is None:
+            self._throwaway_state = self.runner.init_worker_state(theta, key)
+        out, metrics = self.runner.compute_gradient_estimate(
+            theta, self._throwaway_state, _fold_in(key, 1), num_truncations=num_truncations
+        )
+        self._throwaway_state = out.state if keep else None
+        return self._estimate(out, metrics, None, -1, start)
+
+    def use_truncations_per_call(self, num_truncations: int) -> None:
+        """Runs ``num_truncations`` truncations per call from now on, compiled before it returns."""
+        self.truncations_per_call = num_truncations
+        self.throwaway(num_truncations)
 
     def _first_state(self, theta: Any) -> Any:
         """A fresh state, or the loaded one placed where the runner keeps a fresh one.

@@ -248,7 +248,12 @@ class EstimatorConfig(KindSection):
       truncations_per_call: consecutive truncations per worker call, run in one
         jitted call and averaged by their weights into one estimate; amortises
         the per-call cost (a Ray round trip) when a truncation takes about a
-        millisecond. Throughput counts scale with it.
+        millisecond. ``auto``: measured when the run starts, as the fewest
+        that make the per-call cost at most a tenth of a call
+        (:mod:`popmeta.population.call_size`), and recorded with the run, so
+        a resume continues with the same number. A larger number gives fewer,
+        less noisy learner updates per inner step. Throughput counts scale
+        with it.
       meta_loss_split: ``train``: the per-step meta-loss is the normalized
         training loss before the inner update (learned_optimization's
         default); ``outer_valid``: the updated parameters' normalized loss on a
@@ -262,12 +267,14 @@ class EstimatorConfig(KindSection):
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     num_tasks: int = 16
     random_initial_iteration_offset: int = 100
-    truncations_per_call: int = 1
+    truncations_per_call: int | Literal["auto"] = "auto"
     meta_loss_split: Literal["train", "outer_valid"] = "train"
     resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def _own_problems(self) -> Iterator[Problem]:
-        yield from positive(self, "num_tasks", "truncations_per_call")
+        yield from positive(self, "num_tasks")
+        if self.truncations_per_call != "auto":
+            yield from positive(self, "truncations_per_call")
         yield from non_negative(self, "random_initial_iteration_offset")
 
 

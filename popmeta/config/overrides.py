@@ -25,7 +25,7 @@ from popmeta.config.reading import (
     unknown_key,
 )
 from popmeta.config.schema import Config
-from popmeta.config.values import ConfigError, accepts_str, type_name
+from popmeta.config.values import ConfigError, takes_text, type_name
 
 __all__ = ["apply_override"]
 
@@ -80,9 +80,9 @@ def apply_override(raw: dict[str, Any], override: str, sources: Sources) -> None
             merge(target[part], copy.deepcopy(dict(value)))
         elif (
             tp is not None
-            and accepts_str(tp)
             and value is not None
             and not isinstance(value, str | Mapping | list)
+            and takes_text(tp, text.strip())
         ):
             # `--set name=2024` means the string, even though YAML reads an int.
             target[part] = text.strip()

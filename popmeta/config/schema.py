@@ -88,6 +88,11 @@ class Config:
         ]
         return sections
 
+    def with_truncations_per_call(self, num_truncations: int) -> Config:
+        """This config with ``estimator.truncations_per_call`` set (``auto`` resolved)."""
+        estimator = dataclasses.replace(self.estimator, truncations_per_call=num_truncations)
+        return dataclasses.replace(self, estimator=estimator)
+
     def found_modules(self) -> list[str]:
         """Files (or package directories) of the modules of user kinds that were found only
         in a directory of the search path (beside the config file), in order."""

@@ -21,10 +21,10 @@ from typing import Any, Literal
 __all__ = [
     "ConfigError",
     "Problem",
-    "accepts_str",
     "coerce",
     "non_negative",
     "positive",
+    "takes_text",
     "type_name",
 ]
 
@@ -92,13 +92,17 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def accepts_str(tp: Any) -> bool:
-    """Whether ``tp`` takes a string (so ``--set name=2024`` means the text)."""
+def takes_text(tp: Any, text: str) -> bool:
+    """Whether ``tp`` takes ``text`` as a string (so ``--set name=2024`` means the text).
+
+    Any text where ``tp`` is ``str``; for a ``Literal``, only its own strings
+    (``truncations_per_call: int | Literal["auto"]`` reads ``4`` as the number).
+    """
     args = _union_args(tp)
     if args is not None:
-        return any(accepts_str(a) for a in args)
+        return any(takes_text(a, text) for a in args)
     if typing.get_origin(tp) is Literal:
-        return any(isinstance(a, str) for a in typing.get_args(tp))
+        return text in typing.get_args(tp)
     return tp is str
 
 

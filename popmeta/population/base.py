@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Protocol
 
 from popmeta.actors.records import ActorInfo, WorkerState
 from popmeta.estimate import Estimate
+from popmeta.population.call_size import RoundCost
 
 __all__ = ["Gathered", "Population", "WorkerRestore"]
 
@@ -75,6 +76,19 @@ class Population(Protocol):
 
     def describe_actors(self) -> list[ActorInfo]:
         """Where each live worker runs, in rank order."""
+        ...
+
+    def throwaway_round(self, theta: Any, num_truncations: int) -> RoundCost | None:
+        """One round of throwaway estimates of ``num_truncations`` on the workers, timed.
+
+        Throwaway estimates leave every worker's estimates as they were (see
+        :meth:`~popmeta.actors.worker.EstimatorWorker.throwaway`). None where the
+        workers cannot run one.
+        """
+        ...
+
+    def use_truncations_per_call(self, num_truncations: int) -> None:
+        """Every worker, and any that replaces one, runs ``num_truncations`` per call."""
         ...
 
     def export_worker_states(self) -> dict[int, WorkerState]:

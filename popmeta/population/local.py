@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +14,7 @@ from popmeta.actors.worker import EstimatorWorker
 from popmeta.config import PopulationConfig
 from popmeta.experiment import WorkerSpec
 from popmeta.population.base import Gathered, WorkerRestore
+from popmeta.population.call_size import RoundCost
 
 __all__ = ["LocalPopulation"]
 
@@ -46,6 +49,26 @@ class LocalPopulation:
         estimates = [worker.compute(theta, version) for worker in self.workers]
         self._mid_gather = False
         return Gathered(estimates, [0] * len(estimates), {}, 0)
+
+    def throwaway_round(self, theta: Any, num_truncations: int) -> RoundCost | None:
+        """Times a throwaway estimate of ``num_truncations`` on every worker, one after another.
+
+        The per-call cost is the round's time beyond the workers' compute,
+        shared among them (see :mod:`popmeta.population.call_size`).
+        """
+        start = time.perf_counter()
+        estimates = [worker.throwaway(num_truncations, theta, keep=True) for worker in self.workers]
+        wall = time.perf_counter() - start
+        if any(estimate is None for estimate in estimates):
+            return None
+        computes = [estimate.metrics["compute_time_s"] for estimate in estimates]
+        overhead = max(0.0, wall - sum(computes)) / len(computes)
+        return RoundCost(statistics.median(computes), overhead)
+
+    def use_truncations_per_call(self, num_truncations: int) -> None:
+        """Every worker runs ``num_truncations`` truncations per call from now on."""
+        for worker in self.workers:
+            worker.use_truncations_per_call(num_truncations)
 
     def export_worker_states(self) -> dict[int, WorkerState]:
         """Each worker's exported state by rank; empty after a gather that did not complete."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,6 +33,7 @@ from popmeta.config import PopulationConfig
 from popmeta.estimate import Estimate
 from popmeta.experiment import WorkerSpec
 from popmeta.population.base import Gathered, WorkerRestore
+from popmeta.population.call_size import RoundCost
 from popmeta.population.supervisor import ActorSupervisor
 
 __all__ = [
@@ -272,10 +275,12 @@ class RayPopulation:
         # the population's start go to the first one.
         self._reported_restarts = self._reported_lost = 0
 
-        pickled = ray.cloudpickle.dumps(worker)
+        self._worker = worker
+        # What a replacement is built from: the spec as it is now (calls sized).
+        self._pickled_worker = ray.cloudpickle.dumps(worker)
 
         def actor_args(rank: int, restart: int, pin: tuple[int, ...] | None) -> tuple[Any, ...]:
-            return pickled, rank, restart, pin
+            return self._pickled_worker, rank, restart, pin
 
         compiled_method = "compute" if pc.compiled_graph else None
         # Per actor only what Ray merges with the job's environment.
@@ -343,6 +348,44 @@ class RayPopulation:
         )
         self._reported_restarts, self._reported_lost = restarts, lost
         return gathered
+
+    def throwaway_round(self, theta: Any, num_truncations: int) -> RoundCost | None:
+        """Times a throwaway estimate of ``num_truncations`` on every ready actor at once.
+
+        The per-call cost is the round's time beyond the slowest actor's
+        compute: the theta put, the calls' round trips and the estimates' way
+        back, as a sync round has them (see :mod:`popmeta.population.call_size`).
+        None if an actor cannot run one or fails.
+        """
+        supervisor = self._supervisor
+        start = time.perf_counter()
+        theta_arg = theta_argument(theta)
+        calls = {rank: (theta_arg, num_truncations) for rank in supervisor.ready_ranks}
+        estimates, failed = supervisor.call_each("throwaway", calls)
+        wall = time.perf_counter() - start
+        if failed or not estimates or any(e is None for e in estimates.values()):
+            return None
+        computes = [estimate.metrics["compute_time_s"] for estimate in estimates.values()]
+        return RoundCost(statistics.median(computes), max(0.0, wall - max(computes)))
+
+    def use_truncations_per_call(self, num_truncations: int) -> None:
+        """Every actor, and every replacement from now on, runs ``num_truncations`` per call.
+
+        Each live actor compiles the new call before this returns. One that
+        fails to is replaced by the next call that finds it lost, or keeps its
+        old number (logged).
+        """
+        self._worker = self._worker.with_truncations_per_call(num_truncations)
+        self._pickled_worker = ray.cloudpickle.dumps(self._worker)
+        calls = {rank: (num_truncations,) for rank in self._supervisor.ranks}
+        steps, failed = self._supervisor.call_each("use_truncations_per_call", calls)
+        for rank, why in failed.items():
+            log.warning(
+                "actor %d did not take %d truncations per call: %s", rank, num_truncations, why
+            )
+        if steps:
+            self._steps_per_estimate = next(iter(steps.values()))
+        self._supervisor.reread_info()
 
     def export_worker_states(self) -> dict[int, WorkerState]:
         """Each ready actor's exported worker state, by rank (see the module's docstring).

@@ -31,6 +31,7 @@ from typing import Any
 from popmeta.config import PopulationConfig
 
 __all__ = [
+    "EMBEDDED_SYSTEM_CONFIG",
     "LOOPBACK_ENV",
     "RayHandle",
     "apply_loopback_env",
@@ -49,6 +50,13 @@ LOOPBACK_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
+
+#: Ray settings of an embedded instance. Ray starts its workers at nice 15
+#: (``worker_niceness``), below every ordinary process: on a machine busy with
+#: anything else the actors then get a few percent of a core each and the run
+#: crawls, while the local engine, at nice 0 in the driver, keeps its share.
+#: An embedded instance's actors run at the driver's niceness instead.
+EMBEDDED_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 def apply_loopback_env() -> None:
@@ -177,6 +185,7 @@ def start_ray(
                 object_store_memory=object_store_memory,
                 include_dashboard=False,
                 _temp_dir=temp_dir,
+                _system_config=EMBEDDED_SYSTEM_CONFIG,
                 **common,
             )
         return RayHandle(_gcs_address(), started=True, joined=False)

@@ -309,6 +309,12 @@ class ActorSupervisor:
                 )
         return values
 
+    def reread_info(self) -> None:
+        """Asks every ready actor for its ``info()`` again, after a change to what it runs."""
+        infos, _ = self.call_each("info", {rank: () for rank in self.ready_ranks})
+        for rank, info in infos.items():
+            self._actors[rank].info = info
+
     def describe(self) -> list[Any]:
         """Each live actor's ``info()``, in rank order.
 

@@ -66,6 +66,8 @@ def tiny_config(
                 "trunc_length": 5,
                 "std": 0.01,
                 "random_initial_iteration_offset": 20,
+                # Not ``auto``: runs the tests compare must not size calls by measurement.
+                "truncations_per_call": 1,
             },
             "outer_optimizer": {"kind": "adam", "learning_rate": 0.01},
             "population": {

@@ -168,6 +168,8 @@ def test_cli_joins_a_running_cluster_and_leaves_it_running(nodes, tmp_path, how)
     assert result.returncode == 0, result.stderr
     assert "step 5/5" in result.stderr and "(step 5)" in result.stdout
     assert sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]) == alive_before
+    # A cluster started with Ray's defaults runs workers at nice 15: the run says so.
+    assert "the actors run at nice 15" in result.stdout and "RAY_worker_niceness=0" in result.stdout
 
 
 def test_pinned_cpu_actors_get_distinct_cores_on_each_node(nodes):

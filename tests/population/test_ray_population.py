@@ -447,6 +447,8 @@ def test_start_ray_for_hosts_a_population_on_a_quiet_loopback_instance():
             assert runtime.started
             population = population_of(config)
             addresses = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
+            # Ray's default worker niceness (15) would put the actors below any busy process.
+            assert [i.niceness for i in population.describe_actors()] == [0]
             run_updates(config, population, 1)
             population.close()
             # Closing the population leaves Ray to its owner.
