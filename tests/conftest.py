@@ -21,9 +21,11 @@ import tempfile
 
 import pytest
 
-from popmeta.population.ray_runtime import EMBEDDED_SYSTEM_CONFIG, apply_loopback_env, quiet_fork
+from popmeta.population.ray_runtime import EMBEDDED_ENV, apply_loopback_env, quiet_fork
 
 apply_loopback_env()
+# The actors' niceness as popmeta's embedded instance has it (docs/ray.md).
+os.environ.update(EMBEDDED_ENV)
 # A RAY_ADDRESS from the caller's shell would make "embedded" runs join a cluster.
 os.environ.pop("RAY_ADDRESS", None)
 # Tuned baselines are cached per session, not in the user's ~/.cache.
@@ -73,8 +75,6 @@ class LocalRay:
                 logging_level=logging.WARNING,
                 object_store_memory=SESSION_OBJECT_STORE_BYTES,
                 _temp_dir=self._temp_dir,
-                # The actors' niceness as popmeta's embedded instance has it.
-                _system_config=EMBEDDED_SYSTEM_CONFIG,
             )
         self.starts += 1
         self.up = True

@@ -101,7 +101,14 @@ def test_train_writes_the_config_and_the_last_checkpoints(trained):
     assert (run_dir / "config.yaml").exists()
     checkpoints = list_checkpoints(run_dir / "checkpoints")
     assert [int(p.stem.split("_")[1]) for p in checkpoints] == [100, 150, 200]
-    assert read_checkpoint_metadata(checkpoints[-1])["config"]["train"]["num_steps"] == 200
+    recorded = read_checkpoint_metadata(checkpoints[-1])["config"]
+    assert recorded["train"]["num_steps"] == 200
+    # The quickstart's `truncations_per_call: auto`, measured, said and recorded.
+    chosen = recorded["estimator"]["truncations_per_call"]
+    assert isinstance(chosen, int) and chosen >= 1
+    assert f"estimator.truncations_per_call: auto -> {chosen} " in trained[1].stdout
+    assert f"truncations_per_call: {chosen}\n" in (run_dir / "config.yaml").read_text()
+    assert f"trunc/call={chosen} " in trained[1].stderr
 
 
 def test_train_writes_the_full_tensorboard_tag_set(trained):
@@ -123,6 +130,7 @@ def test_train_writes_the_full_tensorboard_tag_set(trained):
         "dropped_stale",
         "rejected_nonfinite",
         "live_actors",
+        "truncations_per_call",
     ]
     for tag in tags:
         assert tag in scalars, tag

@@ -31,7 +31,7 @@ from typing import Any
 from popmeta.config import PopulationConfig
 
 __all__ = [
-    "EMBEDDED_SYSTEM_CONFIG",
+    "EMBEDDED_ENV",
     "LOOPBACK_ENV",
     "RayHandle",
     "apply_loopback_env",
@@ -51,12 +51,15 @@ LOOPBACK_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 
-#: Ray settings of an embedded instance. Ray starts its workers at nice 15
-#: (``worker_niceness``), below every ordinary process: on a machine busy with
-#: anything else the actors then get a few percent of a core each and the run
-#: crawls, while the local engine, at nice 0 in the driver, keeps its share.
-#: An embedded instance's actors run at the driver's niceness instead.
-EMBEDDED_SYSTEM_CONFIG = {"worker_niceness": 0}
+#: Environment of an embedded instance's processes, besides :data:`LOOPBACK_ENV`.
+#: Ray starts its workers at nice 15 (``worker_niceness``), below every
+#: ordinary process: on a machine busy with anything else the actors then get
+#: a few percent of a core each and the run crawls, while the local engine, at
+#: nice 0 in the driver, keeps its share. An embedded instance's actors run at
+#: nice 0 instead (a value the caller set stands). Ray reads it from the
+#: environment, which its processes inherit at ``ray.init``; ``_system_config``
+#: would do the same but makes ``ray.init`` print a warning.
+EMBEDDED_ENV = {"RAY_worker_niceness": "0"}
 
 
 def apply_loopback_env() -> None:
@@ -151,6 +154,8 @@ def start_ray(
     embedded = address is None or address == "local"
     if embedded:
         apply_loopback_env()
+        for name, value in EMBEDDED_ENV.items():
+            os.environ.setdefault(name, value)
     else:
         # A joined cluster decides its own network and auth settings; only
         # usage reporting is turned off unless the user asked for it.
@@ -185,7 +190,6 @@ def start_ray(
                 object_store_memory=object_store_memory,
                 include_dashboard=False,
                 _temp_dir=temp_dir,
-                _system_config=EMBEDDED_SYSTEM_CONFIG,
                 **common,
             )
         return RayHandle(_gcs_address(), started=True, joined=False)

@@ -34,6 +34,7 @@ from popmeta.population.call_size import (
 from popmeta.population.ray_population import RayPopulation
 from popmeta.run_loop import train
 from tests.events import read_scalars
+from tests.local_run import local_config
 from tests.population import population_of, tiny_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -209,3 +210,12 @@ def test_an_auto_run_says_records_and_logs_its_size_and_equals_a_run_with_it_set
     assert resumed.final_step == 9 and "auto -> " not in out
     assert f"trunc/call={chosen}" in capsys.readouterr().err
     assert _recorded(tmp_path, "auto") == chosen
+
+
+def test_the_local_engine_sizes_its_calls_too(tmp_path):
+    config = local_config(tmp_path, estimator={"truncations_per_call": "auto"})
+    out = io.StringIO()
+    result = train(config, stream=out)
+    chosen = _recorded(tmp_path, "ident")
+    assert result.final_step == 4 and isinstance(chosen, int) and chosen >= 1
+    assert f"estimator.truncations_per_call: auto -> {chosen} " in out.getvalue()

@@ -69,6 +69,8 @@ def nodes(no_session_ray):
     # Ray's temp root for every node and the Cluster's address file (<root>/ray/...).
     env = pytest.MonkeyPatch()
     env.setenv("RAY_TMPDIR", temp_dir)
+    # Nodes started as `ray start` starts them: workers at Ray's default niceness.
+    env.delenv("RAY_worker_niceness", raising=False)
     cluster = Cluster()
     try:
         with quiet_fork():
