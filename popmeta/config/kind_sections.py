@@ -249,7 +249,7 @@ class EstimatorConfig(KindSection):
         jitted call and averaged by their weights into one estimate; amortises
         the per-call cost (a Ray round trip) when a truncation takes about a
         millisecond. ``auto``: measured when the run starts, as the fewest
-        that make the per-call cost at most a tenth of a call
+        that make the per-call cost at most a quarter of a call's compute
         (:mod:`popmeta.population.call_size`), and recorded with the run, so
         a resume continues with the same number. A larger number gives fewer,
         less noisy learner updates per inner step. Throughput counts scale
