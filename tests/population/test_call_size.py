@@ -23,6 +23,7 @@ from popmeta.config import ConfigError, config_from_dict
 from popmeta.experiment import WorkerSpec, initial_theta
 from popmeta.population.call_size import (
     MAX_AUTO_CALL_S,
+    MAX_SIZES,
     OVERHEAD_SHARE,
     TIMED_ROUNDS,
     WARM_ROUNDS,
@@ -87,9 +88,11 @@ def test_sizing_tells_a_truncation_from_the_calls_own_compute():
     size = size_calls(population, theta=None)
     assert size.truncations_per_call == truncations_for(cost)
     np.testing.assert_allclose(size.cost, cost, rtol=1e-6)
-    # Each size's warm rounds are left out; two sizes are timed.
-    assert sorted(set(population.sizes)) == [1, truncations_for(CallCost(3.3e-4, 0, 2e-3))]
-    assert len(population.sizes) == 2 * (WARM_ROUNDS + TIMED_ROUNDS)
+    # Each size's warm rounds are left out; the size that one truncation's
+    # whole compute asks for is timed, then the chosen size itself.
+    guess = truncations_for(CallCost(3.3e-4, 0, 2e-3))
+    assert sorted(set(population.sizes)) == [1, guess, size.truncations_per_call]
+    assert len(population.sizes) == 3 * (WARM_ROUNDS + TIMED_ROUNDS)
     assert f"auto -> {size.truncations_per_call} " in size.describe()
     assert f"Set it to {size.truncations_per_call}" in size.describe()
     # A long call is timed once; workers that cannot time one run one truncation.
@@ -98,6 +101,42 @@ def test_sizing_tells_a_truncation_from_the_calls_own_compute():
     unmeasured = size_calls(_Linear(cost, can_time=False), theta=None)
     assert unmeasured.truncations_per_call == 1 and unmeasured.cost is None
     assert "host batches" in unmeasured.describe()
+
+
+class _Noisy(_Linear):
+    """Rounds whose compute reads the same at every size up to ``flat_up_to``
+    truncations (timer noise on a busy machine), and rises as it does after."""
+
+    def __init__(self, cost: CallCost, flat_up_to: int):
+        super().__init__(cost)
+        self.flat_up_to = flat_up_to
+
+    def compute_s(self, num_truncations: int) -> float:
+        return self.cost.compute_s(max(num_truncations, self.flat_up_to))
+
+    def throwaway_round(self, theta, num_truncations):
+        warm = self.sizes.count(num_truncations) < WARM_ROUNDS
+        self.sizes.append(num_truncations)
+        compute = self.compute_s(num_truncations)
+        return RoundCost(compute * (100 if warm else 1), self.cost.overhead_s)
+
+
+def test_sizing_never_chooses_a_size_it_did_not_time_nor_one_past_the_longest_call():
+    # Timed as flat at small sizes, a truncation looks free: a line through two
+    # such rounds would ask for millions of truncations per call.
+    cost = CallCost(truncation_s=2e-5, call_s=3e-4, overhead_s=1.5e-3)
+    noisy = _Noisy(cost, flat_up_to=40)
+    size = size_calls(noisy, theta=None)
+    assert size.truncations_per_call in noisy.sizes
+    assert len(set(noisy.sizes)) <= MAX_SIZES
+    chosen = noisy.compute_s(size.truncations_per_call)
+    assert cost.overhead_s <= OVERHEAD_SHARE * chosen <= OVERHEAD_SHARE * MAX_AUTO_CALL_S
+    # Where the cost is too large for any call within MAX_AUTO_CALL_S, the
+    # largest timed size is chosen, and its compute stays within it.
+    costly = _Linear(CallCost(1e-3, 0.0, 10 * MAX_AUTO_CALL_S))
+    size = size_calls(costly, theta=None)
+    assert size.truncations_per_call == max(costly.sizes)
+    assert costly.cost.compute_s(size.truncations_per_call) <= MAX_AUTO_CALL_S
 
 
 def test_the_config_takes_auto_or_a_positive_number():
