@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from popmeta.actors.records import ActorInfo
 from popmeta.actors.worker import exported_state_template
 from popmeta.config import Config, config_to_dict, module_dirs
 from popmeta.evaluate import (
@@ -39,7 +38,7 @@ from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Population
 from popmeta.population.call_size import size_calls
-from popmeta.population.engines import PopulationFactory, open_population
+from popmeta.population.engines import PopulationFactory, describe_placement, open_population
 from popmeta.progress import Progress
 from popmeta.run_checkpoints import RunCheckpoints
 from popmeta.run_dir import RunDirectory, RunWriteError
@@ -113,24 +112,6 @@ class RunResult(NamedTuple):
     already_finished: bool = False
     theta: Any = None
     checkpoint: Path | str | None = None
-
-
-def _placement(config: Config, actors: list[ActorInfo]) -> str:
-    if config.population.engine == "local":
-        return f"{len(actors)} worker(s) in this process, one after another (local engine)"
-    nodes = {actor.node_id for actor in actors}
-    text = f"{len(actors)} actor(s) on {len(nodes)} node(s)"
-    pinned = [actor.pinned_cores for actor in actors]
-    if any(pinned):
-        text += ", pinned to cores " + " ".join(str(cores) for cores in pinned)
-    niced = sorted({actor.niceness for actor in actors if actor.niceness})
-    if niced:
-        text += (
-            f"; the actors run at nice {'/'.join(map(str, niced))} (Ray's worker_niceness): "
-            "any busy process on their nodes comes first. Start the cluster's nodes with "
-            "RAY_worker_niceness=0 in their environment to give them a fair share"
-        )
-    return text
 
 
 def train(
@@ -286,7 +267,7 @@ class _RunLoop:
                     config.found_modules(),
                 )
             )
-            print(_placement(config, population.describe_actors()), file=stream)
+            print(describe_placement(config.population, population.describe_actors()), file=stream)
             if config.estimator.truncations_per_call == "auto":
                 config = self._size_calls(population)
             if worker_states:

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from popmeta.actors.records import ActorInfo
 from popmeta.config import PopulationConfig
 from popmeta.experiment import WorkerSpec
 from popmeta.population.base import Population
@@ -20,7 +21,7 @@ from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation, job_runtime_env
 from popmeta.population.ray_runtime import start_ray_for
 
-__all__ = ["PopulationFactory", "open_population"]
+__all__ = ["PopulationFactory", "describe_placement", "open_population"]
 
 #: Builds a population from the ``population`` section and the workers' spec.
 PopulationFactory = Callable[[PopulationConfig, WorkerSpec], Population]
@@ -61,3 +62,22 @@ def open_population(
             yield opened
         finally:
             opened.close()
+
+
+def describe_placement(pc: PopulationConfig, actors: list[ActorInfo]) -> str:
+    """Where the population's workers run, in one line for the run's output."""
+    if pc.engine == "local":
+        return f"{len(actors)} worker(s) in this process, one after another (local engine)"
+    nodes = {actor.node_id for actor in actors}
+    text = f"{len(actors)} actor(s) on {len(nodes)} node(s)"
+    pinned = [actor.pinned_cores for actor in actors]
+    if any(pinned):
+        text += ", pinned to cores " + " ".join(str(cores) for cores in pinned)
+    niced = sorted({actor.niceness for actor in actors if actor.niceness})
+    if niced:
+        text += (
+            f"; the actors run at nice {'/'.join(map(str, niced))} (Ray's worker_niceness): "
+            "any busy process on their nodes comes first. Start the cluster's nodes with "
+            "RAY_worker_niceness=0 in their environment to give them a fair share"
+        )
+    return text
