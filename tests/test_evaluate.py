@@ -298,6 +298,17 @@ def test_coarse_to_fine_tuning_chooses_the_full_grids_learning_rate():
         coarse = tune_baseline(family, make, 4, 40, seed=3, tuning="coarse_to_fine")
         assert coarse.learning_rate == full.learning_rate, name
         np.testing.assert_array_equal(coarse.scores.train_curve, full.scores.train_curve)
+        # Tuned on 2 tasks instead of 4: a rate at most one grid step away (SGDM's
+        # best sits at the edge of divergence, where two tasks tell its
+        # neighbours apart differently), scored on the same 4 test tasks.
+        few = tune_baseline(family, make, 4, 40, seed=3, tuning="coarse_to_fine", tuning_tasks=2)
+        steps = abs(np.log10(few.learning_rate / full.learning_rate)) * 4
+        assert steps < 1.01, name
+        assert few.scores.train_curve.shape == (4, 40)
+        if few.learning_rate == full.learning_rate:
+            np.testing.assert_array_equal(few.scores.train_curve, full.scores.train_curve)
+    with pytest.raises(ConfigError, match=r"eval\.tuning_tasks: must be > 0"):
+        config_from_dict({"eval": {"tuning_tasks": 0}})
 
 
 def test_a_second_evaluation_reads_the_tuned_baselines_from_the_cache(tmp_path, monkeypatch):
@@ -331,6 +342,9 @@ def test_a_second_evaluation_reads_the_tuned_baselines_from_the_cache(tmp_path, 
             initial_theta(EstimatorSections.of(config)),
             baseline_cache=BaselineCache(cache.folder, True),
         )
+    fewer = dataclasses.replace(config, eval=dataclasses.replace(config.eval, tuning_tasks=2))
+    with pytest.raises(AssertionError, match="tuned again"):
+        evaluate(fewer, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)
     entries[0].write_bytes(b"not an npz")
     with pytest.raises(AssertionError, match="tuned again"):
         evaluate(config, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)

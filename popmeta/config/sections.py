@@ -170,6 +170,10 @@ class EvalConfig:
         (one per decade), then the six grid rates around the best of those:
         12 runs, the same choice wherever the tuning loss is unimodal over
         the grid.
+      tuning_tasks: tuning tasks each learning rate runs on; None means
+        ``num_tasks``. A rate is chosen by the mean over tasks of a mean
+        training loss, which varies little between tasks: a few of them
+        choose what many do at a fraction of the cost.
     """
 
     num_tasks: int = 32
@@ -182,9 +186,10 @@ class EvalConfig:
     every: int = 0
     after_training: bool = True
     tuning: Literal["full", "coarse_to_fine"] = "coarse_to_fine"
+    tuning_tasks: int | None = None
 
     def _problems(self) -> Iterator[Problem]:
-        yield from positive(self, "num_tasks", "num_steps")
+        yield from positive(self, "num_tasks", "num_steps", "tuning_tasks")
         yield from non_negative(self, "seed", "every")
         for i, factor in enumerate(self.long_horizon_factors):
             if not factor > 1:

@@ -3,12 +3,13 @@
 Adam, Adam with cosine decay to zero over the setting's horizon, SGD with
 momentum 0.9 and SGD, each at the learning rate of the grid (4 points per
 decade over [1e-5, 1]) with the lowest mean training loss on *tuning* tasks
-(drawn from ``eval.seed + 1``), then run on the *test* tasks (``eval.seed``).
+(``eval.tuning_tasks`` of them, drawn from ``eval.seed + 1``), then run on the
+*test* tasks (``eval.seed``).
 ``coarse_to_fine`` tuning runs one rate per decade, then the six grid rates
 around the best of those.
 
 A tuned baseline's test scores depend only on the setting (its task section
-and number of steps), the task count, the seed and the grid, so they are
+and number of steps), the task counts, the seed and the grid, so they are
 cached on disk (``$POPMETA_CACHE_DIR``, by default ``~/.cache/popmeta``):
 evaluating a second checkpoint runs only the learned optimizer.
 """
@@ -71,14 +72,17 @@ def tune_baseline(
     num_steps: int,
     seed: int,
     tuning: str,
+    tuning_tasks: int | None = None,
 ) -> TunedBaseline:
-    """Chooses ``make``'s learning rate on the tuning tasks; scores it on the test tasks."""
+    """Chooses ``make``'s learning rate on ``tuning_tasks`` tuning tasks (default
+    ``num_tasks``); scores it on ``num_tasks`` test tasks."""
 
-    def run(lr, key):
-        return training_curves(family, make(lr, num_steps), key, num_tasks, num_steps)
+    def run(lr, key, count):
+        return training_curves(family, make(lr, num_steps), key, count, num_steps)
 
     # Tuning reads only the training curves: nothing else is copied to the host.
-    tune = jax.jit(jax.vmap(lambda lr, key: run(lr, key).train_loss, in_axes=(0, None)))
+    count = num_tasks if tuning_tasks is None else tuning_tasks
+    tune = jax.jit(jax.vmap(lambda lr, key: run(lr, key, count).train_loss, in_axes=(0, None)))
     tune_key = jax.random.key(seed + 1)
 
     def tuning_losses(indices: np.ndarray) -> np.ndarray:
@@ -96,7 +100,8 @@ def tune_baseline(
     else:
         raise ValueError(f"tuning must be 'full' or 'coarse_to_fine', got {tuning!r}")
     lr = LEARNING_RATES[best]
-    return TunedBaseline(float(lr), scores_of(jax.jit(run)(lr, jax.random.key(seed))))
+    test = jax.jit(run, static_argnums=2)
+    return TunedBaseline(float(lr), scores_of(test(lr, jax.random.key(seed), num_tasks)))
 
 
 def _default_cache_dir() -> Path:
@@ -107,7 +112,7 @@ def _default_cache_dir() -> Path:
 
 
 class BaselineCache:
-    """Tuned baselines on disk, one ``.npz`` per (setting, baseline, tasks, seed, grid, tuning).
+    """Tuned baselines on disk, one ``.npz`` per (setting, baseline, task counts, seed, grid, tuning).
 
     A cache that cannot be read or written is skipped: the baseline is
     simply tuned again.
@@ -133,6 +138,7 @@ class BaselineCache:
         num_tasks: int,
         seed: int,
         tuning: str,
+        tuning_tasks: int | None,
     ) -> Path:
         described = {
             "format": _CACHE_FORMAT,
@@ -144,6 +150,7 @@ class BaselineCache:
             "seed": seed,
             "grid": LEARNING_RATES.tolist(),
             "tuning": tuning,
+            "tuning_tasks": num_tasks if tuning_tasks is None else tuning_tasks,
         }
         digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
         return self.folder / f"{baseline}-{digest}.npz"
@@ -157,13 +164,16 @@ class BaselineCache:
         num_steps: int,
         seed: int,
         tuning: str,
+        tuning_tasks: int | None = None,
     ) -> TunedBaseline:
         """The cached tuned baseline, or a newly tuned one (then cached)."""
-        path = self._path(task, baseline, num_steps, num_tasks, seed, tuning)
+        path = self._path(task, baseline, num_steps, num_tasks, seed, tuning, tuning_tasks)
         cached = None if self.refresh else self._read(path)
         if cached is not None:
             return cached
-        tuned = tune_baseline(family, BASELINES[baseline], num_tasks, num_steps, seed, tuning)
+        tuned = tune_baseline(
+            family, BASELINES[baseline], num_tasks, num_steps, seed, tuning, tuning_tasks
+        )
         self._write(path, tuned)
         return tuned
 

@@ -15,6 +15,7 @@ step and, for tasks with labels, the test accuracy.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TextIO
 
@@ -26,7 +27,7 @@ from popmeta.config import Config, ConfigError, TaskConfig
 from popmeta.core.evaluation import TrainingCurves, training_curves
 from popmeta.core.learned_optimizers import as_optax
 from popmeta.core.optimizers import OptaxOptimizer, Optimizer
-from popmeta.evaluate.baselines import BASELINES, BaselineCache, tune_baseline
+from popmeta.evaluate.baselines import BASELINES, BaselineCache, TunedBaseline, tune_baseline
 from popmeta.evaluate.statistics import Comparison, TaskScores, compare, scores_of
 from popmeta.experiment import (
     EstimatorSections,
@@ -37,6 +38,7 @@ from popmeta.experiment import (
 )
 
 __all__ = [
+    "BASELINE_THREADS",
     "Setting",
     "SettingReport",
     "evaluate",
@@ -45,6 +47,10 @@ __all__ = [
     "settings_of",
     "trained_horizon",
 ]
+
+
+#: Baselines tuned at once in a setting.
+BASELINE_THREADS = 2
 
 
 class Setting(NamedTuple):
@@ -178,18 +184,25 @@ def evaluate_setting(
         if units:
             units.step(f"{setting.name}: {name}")
 
-    learning_rates: dict[str, float] = {}
-    for name in BASELINES:
+    def tuned(name: str) -> TunedBaseline:
+        ev = config.eval
         if baseline_cache is None:
-            tuned = tune_baseline(family, BASELINES[name], n, steps, seed, config.eval.tuning)
-        else:
-            tuned = baseline_cache.tuned(
-                family, setting.task, name, n, steps, seed, config.eval.tuning
+            return tune_baseline(
+                family, BASELINES[name], n, steps, seed, ev.tuning, ev.tuning_tasks
             )
-        learning_rates[name] = tuned.learning_rate
-        scores[name] = tuned.scores
-        if units:
-            units.step(f"{setting.name}: {name} (lr {tuned.learning_rate:.2g})")
+        return baseline_cache.tuned(
+            family, setting.task, name, n, steps, seed, ev.tuning, ev.tuning_tasks
+        )
+
+    learning_rates: dict[str, float] = {}
+    # Two at a time: a baseline's time is mostly XLA compiling its two programs,
+    # which runs on one core; the results do not depend on the order.
+    with concurrent.futures.ThreadPoolExecutor(BASELINE_THREADS) as pool:
+        for name, baseline in zip(BASELINES, pool.map(tuned, BASELINES), strict=True):
+            learning_rates[name] = baseline.learning_rate
+            scores[name] = baseline.scores
+            if units:
+                units.step(f"{setting.name}: {name} (lr {baseline.learning_rate:.2g})")
 
     comparisons = []
     if "learned" in scores:

@@ -14,6 +14,7 @@ from popmeta.core.tasks import (
     ImageMLP_Digits4_Relu32,
     ImageMLP_Digits16_Relu32,
     ImageMLP_Npz8_Relu32,
+    ImageMLPConfig,
     ImageMLPTask,
     ParametricImageMLP_Digits8,
     QuadraticTask,
@@ -130,22 +131,38 @@ def image_mlp_digits16() -> TaskFamily:
 
 
 @TASK_FAMILIES.register(
-    "conv_digits", "two 3x3 ReLU convolutions (8 channels) and a dense layer on the 8x8 digits"
+    "conv_digits",
+    "two 3x3 ReLU convolutions (8 channels, unless `channels` says otherwise) and a dense layer "
+    "on the 8x8 digits",
 )
-def conv_digits() -> TaskFamily:
-    return single_task_to_family(Conv_Digits8())
+def conv_digits(channels: PositiveInt = 8, batch_size: PositiveInt = 128) -> TaskFamily:
+    """Args:
+    channels: output channels of each convolution.
+    batch_size: examples per inner batch.
+    """
+    return single_task_to_family(Conv_Digits8(channels=channels, batch_size=batch_size))
 
 
 @TASK_FAMILIES.register(
     "parametric_image_mlp_digits",
     "MLPs on the 8x8 digits with sampled width, depth, activation and batch size: `groups` "
-    "architectures drawn from the run's seed, one group of task slots each",
+    "architectures drawn from the run's seed, one group of task slots each; meta-testing runs "
+    "its nominal member (`nominal_*`, batch 128)",
 )
-def parametric_image_mlp_digits(groups: PositiveInt = 3) -> TaskFamily:
+def parametric_image_mlp_digits(
+    groups: PositiveInt = 3,
+    nominal_width: PositiveInt = 32,
+    nominal_depth: PositiveInt = 1,
+    nominal_activation: Literal["relu", "tanh", "gelu", "elu"] = "relu",
+) -> TaskFamily:
     """Args:
     groups: architectures a worker trains at once, each with its own compile.
+    nominal_width: hidden width of the member meta-testing runs.
+    nominal_depth: hidden layers of the member meta-testing runs.
+    nominal_activation: nonlinearity of the member meta-testing runs.
     """
-    return ParametricImageMLP_Digits8(num_groups=groups)
+    nominal = ImageMLPConfig(nominal_width, nominal_depth, nominal_activation, batch_size=128)
+    return ParametricImageMLP_Digits8(num_groups=groups, nominal=nominal)
 
 
 @TASK_FAMILIES.register(

@@ -35,7 +35,7 @@ from popmeta.core.tasks import (
 )
 from popmeta.core.tree_utils import per_task, tree_add
 from popmeta.core.truncation import ConstantTruncationSchedule
-from popmeta.experiment import EstimatorSections, build_truncated_step
+from popmeta.experiment import EstimatorSections, build_task_family, build_truncated_step
 from popmeta.run_loop import train
 from tests.events import read_scalars
 from tests.local_run import local_config
@@ -380,3 +380,27 @@ def test_parametric_family_draws_architectures_from_the_seed_and_trains_them_as_
     np.testing.assert_allclose(
         metrics["meta_loss_by_family/parametric_image_mlp_digits"], out.mean_loss, rtol=1e-6
     )
+
+
+def test_meta_testing_runs_the_parametric_familys_nominal_member_as_configured():
+    nominal = {"nominal_width": 48, "nominal_depth": 2, "nominal_activation": "tanh"}
+    cfg = _config(task={"kind": "parametric_image_mlp_digits", "groups": 2, **nominal})
+    family = build_task_family(cfg.task)
+    task = family.task_fn(family.sample(jax.random.key(0)))
+    assert task.hidden_sizes == (48, 48) and task.batch_size == 128
+    assert task.activation is jnp.tanh
+    # Training draws its groups as before: the nominal member is meta-testing's only.
+    step = build_truncated_step(EstimatorSections.of(cfg))
+    drawn = ParametricImageMLP_Digits8().sample_configs(cfg.seed, 2)
+    assert [g.task_family.task.hidden_sizes for g in step.groups] == [
+        (c.width,) * c.depth for c in drawn
+    ]
+
+
+def test_conv_digits_takes_its_channels_and_batch_size_from_the_config():
+    cfg = _config(task={"kind": "conv_digits", "channels": 4, "batch_size": 32})
+    task = build_task_family(cfg.task).task_fn(None)
+    params = task.init(jax.random.key(0))
+    assert params["conv_0"]["w"].shape == (3, 3, 1, 4)
+    assert params["conv_1"]["w"].shape == (3, 3, 4, 4)
+    assert task.sample_batch(jax.random.key(1))["label"].shape == (32,)

@@ -110,15 +110,18 @@ class ImageConvTask(ImageMLPTask):
         return x @ params["linear_0"]["w"] + params["linear_0"]["b"]
 
 
-def Conv_Digits8(batch_size: int = 128, seed: int = 0) -> ImageConvTask:
-    """Two 3x3 relu convolutions (8 channels each) and a dense layer on the 8x8 digits.
+def Conv_Digits8(channels: int = 8, batch_size: int = 128, seed: int = 0) -> ImageConvTask:
+    """Two 3x3 relu convolutions (``channels`` each) and a dense layer on the 8x8 digits.
 
     Same examples and fixed 70/10/10/10 split as the digits MLP.
 
     Args:
+      channels: Output channels of each convolution.
       batch_size: Examples per batch.
       seed: Seed of the host iterators' shuffling (the split is always fixed).
     """
     images, labels = load_digits_8x8()
     splits = split_arrays({"image": images, "label": labels})
-    return ImageConvTask(InMemoryDataset(splits), batch_size=batch_size, seed=seed)
+    return ImageConvTask(
+        InMemoryDataset(splits), channels=(channels, channels), batch_size=batch_size, seed=seed
+    )
