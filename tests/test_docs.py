@@ -23,32 +23,57 @@ def _script(relative: str) -> ModuleType:
     return module
 
 
-def test_the_readme_results_table_is_the_one_its_csv_renders():
+def test_the_results_tables_are_the_ones_their_csvs_render():
     readme_table = _script("docs/results/readme_table.py")
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     blocks = list(readme_table.BLOCK.finditer(readme))
-    assert len(blocks) == 1, "the README shows exactly one results table"
-    assert blocks[0].group(0) == readme_table.render_block(blocks[0]["csv"]), (
-        "the README's results table differs from its CSV: run python docs/results/readme_table.py"
-    )
+    assert [b["kind"] for b in blocks] == ["results-table"], "the README shows one results table"
+    for document in readme_table.DOCUMENTS:
+        text = document.read_text(encoding="utf-8")
+        assert readme_table.render_readme(text, REPO, document.parent) == text, (
+            f"{document.name}'s results tables differ from their CSVs: "
+            "run python docs/results/readme_table.py"
+        )
 
 
-def test_the_results_table_has_a_row_for_every_setting_and_metric_of_its_csv():
-    readme_table = _script("docs/results/readme_table.py")
-    csv_name = "docs/results/generalist-pilot-4d27c45.csv"
-    rows = readme_table._read_rows(REPO / csv_name)
-    learned = [r for r in rows if r["optimizer"] == "learned"]
-    table = [
-        line
-        for line in readme_table.render_block(csv_name).splitlines()
-        if line.startswith("| ") and not line.startswith("| setting")
+def _table_lines(block: str) -> list[str]:
+    return [
+        line for line in block.splitlines() if line.startswith("| ") and "| setting |" not in line
     ]
-    assert len(table) == len(learned)
-    verdicts = sum(line.count(" WIN") + line.count(" TIE") + line.count(" LOSS") for line in table)
-    assert verdicts == sum(1 for r in rows if r["verdict"])
 
 
-def test_the_results_table_refuses_a_csv_that_popmeta_eval_did_not_write(tmp_path):
+def _verdicts(lines: list[str]) -> int:
+    return sum(line.count(" WIN") + line.count(" TIE") + line.count(" LOSS") for line in lines)
+
+
+@pytest.mark.parametrize("csv_name", sorted(p.name for p in (REPO / "docs/results").glob("*.csv")))
+def test_every_row_of_a_csv_is_in_its_tables(csv_name):
+    readme_table = _script("docs/results/readme_table.py")
+    csv_name = f"docs/results/{csv_name}"
+    rows = readme_table._read_rows(REPO / csv_name)
+    full = _table_lines(readme_table.render_block(csv_name, kind="results-table-full"))
+    assert len(full) == sum(1 for r in rows if r["optimizer"] == "learned")
+    assert _verdicts(full) == sum(1 for r in rows if r["verdict"])
+    compact = _table_lines(readme_table.render_block(csv_name))
+    settings = {r["setting"] for r in rows}
+    assert len(compact) == len(settings)
+    assert _verdicts(compact) == sum(
+        1
+        for r in rows
+        if r["verdict"]
+        and r["optimizer"] in readme_table.COMPACT_BASELINES
+        and r["metric"] in readme_table.COMPACT_METRICS
+    )
+    # The median and the worst task stand beside each mean.
+    for row in rows:
+        if row["optimizer"] == "learned" and row["metric"] == "final_test_loss":
+            worst = readme_table._number(row["worst"], ".3g")
+            assert any(
+                line.startswith(f"| {row['setting']} |") and worst in line for line in compact
+            )
+
+
+def test_the_results_tables_refuse_a_csv_that_popmeta_eval_did_not_write(tmp_path):
     readme_table = _script("docs/results/readme_table.py")
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     (tmp_path / "other.json").write_text('{"commit": "x", "commands": [], "note": ""}')
@@ -56,15 +81,16 @@ def test_the_results_table_refuses_a_csv_that_popmeta_eval_did_not_write(tmp_pat
         readme_table.render_block("other.csv", root=tmp_path)
 
 
-def test_rerunning_the_results_script_on_a_stale_readme_restores_the_table(tmp_path):
+def test_rerunning_the_results_script_on_a_stale_document_restores_its_tables(tmp_path):
     readme_table = _script("docs/results/readme_table.py")
     shutil.copytree(REPO / "docs" / "results", tmp_path / "docs" / "results")
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    stale = readme.replace("| final test loss |", "| final test loss (edited) |", 1)
-    (tmp_path / "README.md").write_text(stale, encoding="utf-8")
-    assert readme_table.main(["--readme", str(tmp_path / "README.md"), "--check"]) == 1
-    assert readme_table.main(["--readme", str(tmp_path / "README.md")]) == 0
-    assert (tmp_path / "README.md").read_text(encoding="utf-8") == readme
+    for document in readme_table.DOCUMENTS:
+        text = document.read_text(encoding="utf-8")
+        copy = tmp_path / document.relative_to(REPO)
+        copy.write_text(text.replace(" LOSS", " WIN", 1), encoding="utf-8")
+        assert readme_table.main([str(copy), "--check"]) == 1
+        assert readme_table.main([str(copy)]) == 0
+        assert copy.read_text(encoding="utf-8") == text
 
 
 def test_the_layout_page_lists_every_module_and_nothing_else():
