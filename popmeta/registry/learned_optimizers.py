@@ -17,6 +17,9 @@ from popmeta.registry.kinds import Fraction, PositiveFloat, PositiveInt, Registr
 
 __all__ = ["LEARNED_OPTIMIZERS"]
 
+#: What a per-parameter MLP may multiply in (``popmeta.core.learned_optimizers.features``).
+MLPDtype = Literal["float32", "bfloat16"]
+
 LEARNED_OPTIMIZERS: Registry[LearnedOptimizer] = Registry(
     "learned_optimizer", "Learned optimizers", "a `LearnedOptimizer`", returns=LearnedOptimizer
 )
@@ -57,16 +60,19 @@ def mlp(
     step_multiplier: PositiveFloat = 0.001,
     magnitude_multiplier: PositiveFloat = 0.001,
     hidden_size: PositiveInt = 32,
+    mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
     step_multiplier: scale of every step.
     magnitude_multiplier: scale of the log-magnitude output.
     hidden_size: width of each hidden layer.
+    mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return MLPLOpt(
         step_multiplier=step_multiplier,
         magnitude_multiplier=magnitude_multiplier,
         hidden_size=hidden_size,
+        mlp_dtype=mlp_dtype,
     )
 
 
@@ -75,12 +81,17 @@ def mlp(
     "Adam (learning rate `initial_lr`) rescaled and corrected per parameter by an MLP that "
     "reads the MLP features and the fraction of the run done; starts as Adam",
 )
-def mlp_adam(initial_lr: PositiveFloat = 1e-3, hidden_size: PositiveInt = 32) -> LearnedOptimizer:
+def mlp_adam(
+    initial_lr: PositiveFloat = 1e-3,
+    hidden_size: PositiveInt = 32,
+    mlp_dtype: MLPDtype = "float32",
+) -> LearnedOptimizer:
     """Args:
     initial_lr: Adam's learning rate, the untrained optimizer's.
     hidden_size: width of each hidden layer.
+    mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
-    return AdamMLPLOpt(initial_lr=initial_lr, hidden_size=hidden_size)
+    return AdamMLPLOpt(initial_lr=initial_lr, hidden_size=hidden_size, mlp_dtype=mlp_dtype)
 
 
 @LEARNED_OPTIMIZERS.register(
@@ -94,6 +105,7 @@ def normalized_mlp(
     schedule_hidden_size: PositiveInt = 16,
     loss_features: bool = True,
     external_schedule: Literal["constant", "cosine", "linear"] = "constant",
+    mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
     initial_lr: every tensor's step RMS, untrained.
@@ -101,6 +113,7 @@ def normalized_mlp(
     schedule_hidden_size: width of the step-size schedule MLP's hidden layer.
     loss_features: whether the MLPs read the normalized loss (the optimizer then needs the loss).
     external_schedule: a fixed multiplier of the step size over the run.
+    mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
         initial_lr=initial_lr,
@@ -108,4 +121,5 @@ def normalized_mlp(
         schedule_hidden_size=schedule_hidden_size,
         loss_features=loss_features,
         external_schedule=external_schedule,
+        mlp_dtype=mlp_dtype,
     )

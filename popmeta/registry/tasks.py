@@ -26,6 +26,9 @@ from popmeta.registry.kinds import PositiveInt, Registry
 
 __all__ = ["TASK_FAMILIES"]
 
+#: What an image task's products may be computed in (``ImageMLPTask.compute_dtype``).
+ComputeDtype = Literal["float32", "bfloat16"]
+
 TASK_FAMILIES: Registry[TaskFamily] = Registry(
     "task", "Task families", "a `TaskFamily`", returns=TaskFamily
 )
@@ -97,12 +100,14 @@ def image_mlp_digits(
     depth: PositiveInt = 1,
     activation: Literal["relu", "tanh", "gelu", "elu"] = "relu",
     batch_size: PositiveInt = 128,
+    compute_dtype: ComputeDtype = "float32",
 ) -> TaskFamily:
     """Args:
     width: units of every hidden layer.
     depth: number of hidden layers.
     activation: the hidden nonlinearity.
     batch_size: examples per inner batch.
+    compute_dtype: what products are computed in (bfloat16: float32 sums and parameters).
     """
     images, labels = load_digits_8x8()
     task = ImageMLPTask.from_arrays(
@@ -112,6 +117,7 @@ def image_mlp_digits(
         batch_size=batch_size,
         num_classes=10,
         activation=ACTIVATIONS[activation],
+        compute_dtype=compute_dtype,
     )
     return single_task_to_family(task)
 
@@ -135,12 +141,19 @@ def image_mlp_digits16() -> TaskFamily:
     "two 3x3 ReLU convolutions (8 channels, unless `channels` says otherwise) and a dense layer "
     "on the 8x8 digits",
 )
-def conv_digits(channels: PositiveInt = 8, batch_size: PositiveInt = 128) -> TaskFamily:
+def conv_digits(
+    channels: PositiveInt = 8,
+    batch_size: PositiveInt = 128,
+    compute_dtype: ComputeDtype = "float32",
+) -> TaskFamily:
     """Args:
     channels: output channels of each convolution.
     batch_size: examples per inner batch.
+    compute_dtype: what products are computed in (bfloat16: float32 sums and parameters).
     """
-    return single_task_to_family(Conv_Digits8(channels=channels, batch_size=batch_size))
+    return single_task_to_family(
+        Conv_Digits8(channels=channels, batch_size=batch_size, compute_dtype=compute_dtype)
+    )
 
 
 @TASK_FAMILIES.register(

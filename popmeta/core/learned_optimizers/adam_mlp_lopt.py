@@ -33,6 +33,7 @@ from popmeta.core.learned_optimizers.features import (
     adam_and_mlp,
     advanced_fields,
     beta1_index,
+    checked_mlp_dtype,
     checked_num_steps,
     num_per_parameter_features,
     num_time_and_horizon_features,
@@ -129,6 +130,7 @@ class AdamMLPLOpt(LearnedOptimizer):
         timescales: Sequence[float] = SHORT_TIMESCALES,
         horizon_centers: Sequence[float] = HORIZON_CENTERS,
         epsilon: float = 1e-8,
+        mlp_dtype: str = "float32",
     ):
         """Builds the learned optimizer.
 
@@ -143,6 +145,8 @@ class AdamMLPLOpt(LearnedOptimizer):
           horizon_centers: Fractions of the run where a ``tanh`` horizon feature
             switches sign.
           epsilon: Adam's epsilon, also added before ``rsqrt`` in the features.
+          mlp_dtype: what the MLP's layers multiply in: ``float32``, or
+            ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
         if not initial_lr > 0:
             raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
@@ -156,6 +160,7 @@ class AdamMLPLOpt(LearnedOptimizer):
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
         self.epsilon = float(epsilon)
+        self.mlp_dtype = checked_mlp_dtype(mlp_dtype)
 
     @property
     def num_features(self) -> int:

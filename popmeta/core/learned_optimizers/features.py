@@ -21,6 +21,7 @@ import optax
 __all__ = [
     "DEFAULT_DECAYS",
     "HORIZON_CENTERS",
+    "MLP_DTYPES",
     "SHORT_TIMESCALES",
     "AccumulatorFields",
     "AdamFields",
@@ -28,6 +29,7 @@ __all__ = [
     "adam_directions",
     "advanced_fields",
     "beta1_index",
+    "checked_mlp_dtype",
     "checked_num_steps",
     "mlp_init",
     "num_per_parameter_features",
@@ -53,6 +55,17 @@ HORIZON_CENTERS: tuple[float, ...] = (0.1, 0.5, 0.9)
 _HORIZON_SHARPNESS = 8.0
 #: Per-parameter features besides the per-decay ones: ``p``, ``g``, ``v``, ``1/sqrt(v)``.
 _NUM_PER_PARAMETER_BASE = 4
+
+
+#: What a per-parameter MLP's layers may multiply in (``mlp_dtype``).
+MLP_DTYPES = ("float32", "bfloat16")
+
+
+def checked_mlp_dtype(mlp_dtype: str) -> str:
+    """``mlp_dtype`` if it is one of :data:`MLP_DTYPES`; else a ValueError naming them."""
+    if mlp_dtype not in MLP_DTYPES:
+        raise ValueError(f"mlp_dtype must be one of {MLP_DTYPES}, got {mlp_dtype!r}")
+    return mlp_dtype
 
 
 def num_per_parameter_features(num_decays: int) -> int:
@@ -193,6 +206,7 @@ class AdamFields(AccumulatorFields, Protocol):
     beta1: float
     beta1_index: int
     epsilon: float
+    mlp_dtype: str
 
 
 def adam_and_mlp(
@@ -209,14 +223,22 @@ def adam_and_mlp(
     """Adam's direction and the MLP's two outputs, each a params-shaped pytree.
 
     :func:`adam_directions` with ``lopt``'s ``beta1`` (its ``rms_decay`` as
-    ``beta2``) and :func:`per_parameter_mlp` of ``theta_mlp``, both reading the
-    accumulators after this step's update and ``lopt.epsilon``.
+    ``beta2``) and :func:`per_parameter_mlp` of ``theta_mlp`` in ``lopt.mlp_dtype``,
+    both reading the accumulators after this step's update and ``lopt.epsilon``.
     """
     directions = adam_directions(
         momentums, rms, iteration, lopt.beta1_index, lopt.beta1, lopt.rms_decay, lopt.epsilon
     )
     first, second = per_parameter_mlp(
-        theta_mlp, params, grad, momentums, rms, shared, lopt.epsilon, normalize_epsilon
+        theta_mlp,
+        params,
+        grad,
+        momentums,
+        rms,
+        shared,
+        lopt.epsilon,
+        normalize_epsilon,
+        lopt.mlp_dtype,
     )
     return directions, first, second
 
@@ -302,12 +324,18 @@ def _linear(w: jax.Array, x: jax.Array, feature_major: bool) -> jax.Array:
     hidden layer on an image MLP) stays a dot, which is faster there. So
     does a large layer in the row-major layout: unrolled, it ran no faster
     and compiled far slower.
+
+    Inputs of a narrower float type (bfloat16) are multiplied in it and
+    summed in float32; the result is float32 either way.
     """
     fan_in, fan_out = w.shape
     weights = fan_in * fan_out
     few_columns = feature_major and weights * x.shape[1] <= _MAX_UNROLLED_MULTIPLY_ADDS
     if weights > _MAX_UNROLLED_WEIGHTS and not few_columns:
-        return w.T @ x if feature_major else x @ w
+        if feature_major:
+            return jnp.matmul(w.T, x, preferred_element_type=jnp.float32)
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    w, x = w.astype(jnp.float32), x.astype(jnp.float32)
 
     def term(k: int) -> jax.Array:
         return w[k][:, None] * x[k][None, :] if feature_major else x[:, k, None] * w[k][None, :]
@@ -318,8 +346,12 @@ def _linear(w: jax.Array, x: jax.Array, feature_major: bool) -> jax.Array:
     return out
 
 
-def _mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
-    """The MLP on feature-major inputs ``x`` of ``[features, n]``; ``[2, n]`` outputs.
+def _mlp(theta: Params, x: jax.Array, shared: jax.Array, dtype: str = "float32") -> jax.Array:
+    """The MLP on feature-major inputs ``x`` of ``[features, n]``; ``[2, n]`` float32 outputs.
+
+    ``dtype`` is what the layers' inputs and weights are multiplied in
+    (``bfloat16``: in it, summed in float32, each layer's output rounded to it
+    before the next layer); biases and outputs stay float32.
 
     The shared inputs' share of the first layer is a bias. Below
     ``_MIN_FEATURE_MAJOR_PARAMETERS`` columns the layers run row-major: with a
@@ -338,7 +370,8 @@ def _mlp(theta: Params, x: jax.Array, shared: jax.Array) -> jax.Array:
         if i == 0:
             b = b + shared @ w[num_per_parameter:]
             w = w[:num_per_parameter]
-        x = _linear(w, x, feature_major) + (b[:, None] if feature_major else b)
+        x = _linear(w.astype(dtype), x.astype(dtype), feature_major)
+        x = x + (b[:, None] if feature_major else b)
         if i < n_layers - 1:
             x = jax.nn.relu(x)
     return x if feature_major else x.T
@@ -353,8 +386,12 @@ def per_parameter_mlp(
     shared: jax.Array,
     epsilon: float,
     normalize_epsilon: float = 1e-5,
+    mlp_dtype: str = "float32",
 ) -> tuple[Params, Params]:
     """The MLP's two outputs for every parameter, as two params-shaped pytrees.
+
+    The features are computed in float32; ``mlp_dtype`` is what the MLP's
+    layers multiply in (``bfloat16``: float32 sums, float32 outputs).
 
     The MLP's input per parameter is :func:`per_parameter_features` of its
     tensor followed by the ``shared`` features (a vector every parameter
@@ -380,7 +417,7 @@ def per_parameter_mlp(
             strict=True,
         )
     ]
-    x = _mlp(theta, jnp.concatenate(columns, axis=1), shared)
+    x = _mlp(theta, jnp.concatenate(columns, axis=1), shared, mlp_dtype)
     offsets = np.cumsum([p.size for p in leaves])[:-1]
     outputs = jnp.split(x, offsets, axis=1)
     first = [o[0].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]

@@ -27,6 +27,7 @@ from popmeta.core.learned_optimizers.base import LearnedOptimizer, MetaParams, O
 from popmeta.core.learned_optimizers.features import (
     DEFAULT_DECAYS,
     advanced_fields,
+    checked_mlp_dtype,
     num_per_parameter_features,
     per_parameter_mlp,
     per_parameter_mlp_init,
@@ -84,7 +85,14 @@ class _MLPLOptOptimizer(OptimizerOfTheta):
         time_features = short_time_features(iteration, lopt.timescales)
 
         directions, magnitudes = per_parameter_mlp(
-            self._theta, state.params, grad, momentums, rms, time_features, lopt.epsilon
+            self._theta,
+            state.params,
+            grad,
+            momentums,
+            rms,
+            time_features,
+            lopt.epsilon,
+            mlp_dtype=lopt.mlp_dtype,
         )
 
         def tensor_update(p: jax.Array, direction: jax.Array, magnitude: jax.Array) -> jax.Array:
@@ -113,6 +121,7 @@ class MLPLOpt(LearnedOptimizer):
         rms_decay: float = 0.999,
         timescales: Sequence[float] = DEFAULT_TIMESCALES,
         epsilon: float = 1e-8,
+        mlp_dtype: str = "float32",
         output_init_scale: float = 1e-3,
     ):
         """Builds the learned optimizer.
@@ -128,6 +137,8 @@ class MLPLOpt(LearnedOptimizer):
           rms_decay: Decay of the squared-gradient EMA.
           timescales: Iteration timescales of the tanh time features.
           epsilon: Added to the squared-gradient EMA before ``rsqrt``.
+          mlp_dtype: what the MLP's layers multiply in: ``float32``, or
+            ``bfloat16`` (float32 sums; features, theta and state stay float32).
           output_init_scale: Multiplies the output layer's initial weights so an
             untrained theta is close to "do nothing" and meta-training starts
             from a stable inner run.
@@ -140,6 +151,7 @@ class MLPLOpt(LearnedOptimizer):
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.epsilon = float(epsilon)
+        self.mlp_dtype = checked_mlp_dtype(mlp_dtype)
         self.output_init_scale = output_init_scale
 
     @property

@@ -34,6 +34,7 @@ from popmeta.core.learned_optimizers.features import (
     adam_and_mlp,
     advanced_fields,
     beta1_index,
+    checked_mlp_dtype,
     checked_num_steps,
     mlp_init,
     num_per_parameter_features,
@@ -221,6 +222,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         timescales: Sequence[float] = SHORT_TIMESCALES,
         horizon_centers: Sequence[float] = HORIZON_CENTERS,
         epsilon: float = 1e-8,
+        mlp_dtype: str = "float32",
     ):
         """Builds the learned optimizer.
 
@@ -238,6 +240,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
           timescales: iteration timescales of the short time features.
           horizon_centers: fractions of the run where a horizon feature switches sign.
           epsilon: Adam's epsilon, also added before ``rsqrt`` in the features.
+          mlp_dtype: what the MLP's layers multiply in: ``float32``, or
+            ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
         if not initial_lr > 0:
             raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
@@ -259,6 +263,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
         self.epsilon = float(epsilon)
+        self.mlp_dtype = checked_mlp_dtype(mlp_dtype)
 
     @property
     def uses_loss(self) -> bool:

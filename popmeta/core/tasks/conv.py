@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from popmeta.core.tasks.datasets import Batch, InMemoryDataset, load_digits_8x8, split_arrays
-from popmeta.core.tasks.image_mlp import ImageMLPTask
+from popmeta.core.tasks.image_mlp import ImageMLPTask, dense
 
 __all__ = ["Conv_Digits8", "ImageConvTask"]
 
@@ -32,7 +32,7 @@ def _truncated_normal(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> ja
     return w / np.sqrt(fan_in).astype(np.float32)
 
 
-def _conv_same(x: jax.Array, w: jax.Array) -> jax.Array:
+def _conv_same(x: jax.Array, w: jax.Array, dtype: str = "float32") -> jax.Array:
     """``SAME`` cross-correlation with stride 1 (``lax.conv``'s), as one matrix product.
 
     The image's ``k x k`` neighbourhoods are laid side by side (``[B, H, W, k k C]``)
@@ -50,7 +50,7 @@ def _conv_same(x: jax.Array, w: jax.Array) -> jax.Array:
         [padded[:, i : i + height, j : j + width, :] for i in range(k) for j in range(k)],
         axis=-1,
     )
-    return patches @ w.reshape(-1, w.shape[-1])
+    return dense(patches, w.reshape(-1, w.shape[-1]), dtype)
 
 
 class ImageConvTask(ImageMLPTask):
@@ -65,6 +65,7 @@ class ImageConvTask(ImageMLPTask):
       batch_size: Examples per batch.
       num_classes: Number of output logits.
       seed: Seed of the host iterators' shuffling.
+      compute_dtype: what products are computed in (see :class:`ImageMLPTask`).
     """
 
     def __init__(
@@ -74,9 +75,15 @@ class ImageConvTask(ImageMLPTask):
         batch_size: int = 128,
         num_classes: int = 10,
         seed: int = 0,
+        compute_dtype: str = "float32",
     ):
         super().__init__(
-            data, hidden_sizes=(), batch_size=batch_size, num_classes=num_classes, seed=seed
+            data,
+            hidden_sizes=(),
+            batch_size=batch_size,
+            num_classes=num_classes,
+            seed=seed,
+            compute_dtype=compute_dtype,
         )
         self.channels = tuple(int(c) for c in channels)
         self.image_shape = tuple(self.data.split("train").host_arrays["image"].shape[1:])
@@ -105,12 +112,14 @@ class ImageConvTask(ImageMLPTask):
         x = images
         for i in range(len(self.channels)):
             layer = params[f"conv_{i}"]
-            x = jax.nn.relu(_conv_same(x, layer["w"]) + layer["b"])
+            x = jax.nn.relu(_conv_same(x, layer["w"], self.compute_dtype) + layer["b"])
         x = jnp.reshape(x, (x.shape[0], -1))
-        return x @ params["linear_0"]["w"] + params["linear_0"]["b"]
+        return dense(x, params["linear_0"]["w"], self.compute_dtype) + params["linear_0"]["b"]
 
 
-def Conv_Digits8(channels: int = 8, batch_size: int = 128, seed: int = 0) -> ImageConvTask:
+def Conv_Digits8(
+    channels: int = 8, batch_size: int = 128, seed: int = 0, compute_dtype: str = "float32"
+) -> ImageConvTask:
     """Two 3x3 relu convolutions (``channels`` each) and a dense layer on the 8x8 digits.
 
     Same examples and fixed 70/10/10/10 split as the digits MLP.
@@ -119,9 +128,14 @@ def Conv_Digits8(channels: int = 8, batch_size: int = 128, seed: int = 0) -> Ima
       channels: Output channels of each convolution.
       batch_size: Examples per batch.
       seed: Seed of the host iterators' shuffling (the split is always fixed).
+      compute_dtype: what products are computed in (see :class:`ImageMLPTask`).
     """
     images, labels = load_digits_8x8()
     splits = split_arrays({"image": images, "label": labels})
     return ImageConvTask(
-        InMemoryDataset(splits), channels=(channels, channels), batch_size=batch_size, seed=seed
+        InMemoryDataset(splits),
+        channels=(channels, channels),
+        batch_size=batch_size,
+        seed=seed,
+        compute_dtype=compute_dtype,
     )

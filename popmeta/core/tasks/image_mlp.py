@@ -68,6 +68,7 @@ class ImageMLPTask(Task):
         num_classes: int = 10,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
         seed: int = 0,
+        compute_dtype: str = "float32",
     ):
         """Builds the task.
 
@@ -79,7 +80,14 @@ class ImageMLPTask(Task):
           num_classes: Number of output logits.
           activation: Hidden nonlinearity.
           seed: Seed of the host iterators' shuffling.
+          compute_dtype: what the layers' products are computed in:
+            ``float32``, or ``bfloat16`` (float32 sums, activations and loss;
+            parameters and gradients stay float32).
         """
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}"
+            )
         if not isinstance(data, InMemoryDataset):
             data = InMemoryDataset(data)
         train = data.split("train").host_arrays
@@ -90,6 +98,7 @@ class ImageMLPTask(Task):
         self.batch_size = batch_size
         self.num_classes = num_classes
         self.activation = activation
+        self.compute_dtype = compute_dtype
         self.input_size = int(np.prod(train["image"].shape[1:]))
         self.datasets = data.host_datasets(
             batch_size, seed=seed, extra_info={"num_classes": num_classes}
@@ -134,7 +143,7 @@ class ImageMLPTask(Task):
         n_layers = len(self.hidden_sizes) + 1
         for i in range(n_layers):
             layer = params[f"linear_{i}"]
-            x = x @ layer["w"] + layer["b"]
+            x = dense(x, layer["w"], self.compute_dtype) + layer["b"]
             if i < n_layers - 1:
                 x = self.activation(x)
         return x
@@ -157,6 +166,15 @@ class ImageMLPTask(Task):
 
     def sample_batch(self, key: jax.Array, split: str = "train") -> Batch:
         return self.data.sample_batch(key, self.batch_size, split)
+
+
+#: What an image task's products may be computed in.
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def dense(x: jax.Array, w: jax.Array, dtype: str) -> jax.Array:
+    """``x @ w`` with both rounded to ``dtype`` and summed in float32 (float32: ``x @ w``)."""
+    return jnp.matmul(x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def ImageMLP_Digits8_Relu32(batch_size: int = 128, seed: int = 0) -> ImageMLPTask:
