@@ -1,6 +1,9 @@
 """Estimator throughput: inner-steps/s, peak memory and achieved GFLOP/s, side by side.
 
-Run: ``python bench/estimators.py [--seconds 5] [--configs a,b,c,d] [--compare-with DIR]``
+Run: ``python bench/estimators.py [--seconds 5] [--configs a,b,c,d] [--compare-with DIR]``;
+``--configs c,c-bf16-mlp,c-bf16,e,e-bf16-mlp,e-bf16`` sets float32 against bfloat16
+(the learned optimizer's MLP, then the task's products too) on (c) and on a
+larger MLP, (e).
 
 Each configuration runs in its own subprocess (so its peak RSS is its own):
 the estimator's jitted truncation plus the learner's jitted, donating outer
@@ -8,7 +11,8 @@ Adam step, timed after compilation and warm-up in rounds of one second, of
 which the median is reported (a shared machine's hiccups land in a few
 rounds, not in the figure). Inner steps count every task and every
 antithetic member. It prints absolute numbers, and the achieved GFLOP/s as a
-share of the dense matmul peak measured in the same run.
+share of the dense matmul peak measured in the same run (the bfloat16 peak
+for the bfloat16 configurations).
 
 ``--compare-with DIR`` names another checkout of popmeta (e.g. ``git worktree
 add /tmp/before <commit>``): each configuration then runs alternately from
@@ -36,15 +40,33 @@ CONFIGS = {
     "b": "PES + MLPLOpt, quadratic(10)",
     "c": "PES + MLPLOpt, digits image MLP",
     "d": "FullES(50) + LearnableSGDM, quadratic(10)",
+    "c-bf16-mlp": "(c), MLPLOpt's MLP in bfloat16",
+    "c-bf16": "(c), MLP and task in bfloat16",
+    "e": "PES + MLPLOpt, 64-256-256-10 MLP, batch 512",
+    "e-bf16-mlp": "(e), MLPLOpt's MLP in bfloat16",
+    "e-bf16": "(e), MLP and task in bfloat16",
 }
+
+
+def _image_task(name: str):
+    """The image MLP of an image configuration: (c)'s 64-32-10 or (e)'s 64-256-256-10."""
+    import popmeta as pm
+    from popmeta.core.tasks import load_digits_8x8
+
+    task_dtype = "bfloat16" if name.endswith("-bf16") else "float32"
+    hidden, batch = ((32,), 128) if name.startswith("c") else ((256, 256), 512)
+    return pm.ImageMLPTask.from_arrays(
+        *load_digits_8x8(), hidden_sizes=hidden, batch_size=batch, compute_dtype=task_dtype
+    )
 
 
 def _build(name: str):
     import popmeta as pm
 
-    lopt = pm.LearnableSGDM() if name in ("a", "d") else pm.MLPLOpt()
-    if name == "c":
-        family = pm.single_task_to_family(pm.ImageMLP_Digits8_Relu32())
+    mlp_dtype = "bfloat16" if "-bf16" in name else "float32"
+    lopt = pm.LearnableSGDM() if name in ("a", "d") else pm.MLPLOpt(mlp_dtype=mlp_dtype)
+    if name[0] in "ce":
+        family = pm.single_task_to_family(_image_task(name))
     else:
         family = pm.FixedDimQuadraticFamilyData(10)
     step = pm.VectorizedLOptTruncatedStep(
@@ -69,16 +91,14 @@ def _flops_per_inner_step(name: str, lopt) -> float | None:
     tensor, not once per parameter, so the first layer counts only the
     per-parameter features: the work done, not the work the formula names.
     """
-    if name != "c":
+    if name[0] not in "ce":
         return None
     import jax
 
-    import popmeta as pm
-
-    task = pm.ImageMLP_Digits8_Relu32()
+    task = _image_task(name)
     params = task.init(jax.random.key(0))
     layers = [x.shape for x in jax.tree_util.tree_leaves(params) if x.ndim == 2]
-    batch = 128
+    batch = task.batch_size
     task_flops = 3 * 2 * batch * sum(i * o for i, o in layers)  # forward + backward
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     widths = (
@@ -153,13 +173,13 @@ def run_one(name: str, seconds: float) -> dict:
     }
 
 
-def matmul_peak_gflops(n: int = 1024, seconds: float = 2.0) -> float:
-    """This machine's dense float32 matmul rate through XLA."""
+def matmul_peak_gflops(n: int = 1024, seconds: float = 2.0, dtype: str = "float32") -> float:
+    """This machine's dense matmul rate through XLA: float32, or bfloat16 summed in float32."""
     import jax
     import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    matmul = jax.jit(lambda a: a @ a)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    matmul = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
     matmul(a).block_until_ready()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -202,9 +222,12 @@ def main() -> None:
 
     import jax
 
-    peak = matmul_peak_gflops()
-    print(f"device: {jax.devices()[0].device_kind}, dense float32 matmul peak {peak:.1f} GFLOP/s")
-    header = f"{'config':<44} {'inner-steps/s':>13} {'peak RSS MB':>11} {'XLA temp MB':>11} {'GFLOP/s':>8} {'of peak':>7}"
+    peaks = {dtype: matmul_peak_gflops(dtype=dtype) for dtype in ("float32", "bfloat16")}
+    print(
+        f"device: {jax.devices()[0].device_kind}, dense matmul peak (1024x1024): float32 "
+        f"{peaks['float32']:.1f} GFLOP/s, bfloat16 (float32 sums) {peaks['bfloat16']:.1f} GFLOP/s"
+    )
+    header = f"{'config':<50} {'inner-steps/s':>13} {'peak RSS MB':>11} {'XLA temp MB':>11} {'GFLOP/s':>8} {'of peak':>7}"
     if args.compare_with is not None:
         header += f" {'other tree':>13} {'ratio':>6}"
     print(header)
@@ -232,9 +255,10 @@ def main() -> None:
         flops = r["flops_per_inner_step"]
         achieved = None if flops is None else r["inner_steps_per_s"] * flops / 1e9
         gflops = "-" if achieved is None else f"{achieved:.1f}"
+        peak = peaks["bfloat16" if "-bf16" in name else "float32"]
         share = "-" if achieved is None else f"{100 * achieved / peak:.0f}%"
         line = (
-            f"({name}) {CONFIGS[name]:<40} {r['inner_steps_per_s']:>13,.0f} "
+            f"{'(' + name + ') ' + CONFIGS[name]:<50} {r['inner_steps_per_s']:>13,.0f} "
             f"{r['peak_rss_mb']:>11.0f} {r['xla_temp_mb']:>11.2f} {gflops:>8} {share:>7}"
         )
         if other is not None:

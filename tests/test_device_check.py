@@ -1,0 +1,49 @@
+"""The accelerator check's Python part (bench/device.py), run on CPU on forced host devices.
+
+``bench/device.sh`` only installs and calls it, so what a GPU machine would
+run is this, short: every configuration it measures prints a rate and a share
+of the measured peak, and the 2-actor ``popmeta train`` ends with a rate.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_the_device_check_measures_every_configuration_and_a_two_actor_run():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(
+        filter(None, [env.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=2"])
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    configs = ["c", "c-bf16-mlp", "c-bf16"]
+    command = [sys.executable, "bench/device.py", "--seconds", "0.3", "--steps", "20"]
+    proc = subprocess.run(
+        [*command, "--configs", ",".join(configs)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "cpu: 2 chip(s)" in out
+    assert re.search(r"float32 [\d,.]+ GFLOP/s, bfloat16 with float32 sums [\d,.]+ GFLOP/s", out)
+    for name in configs:
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"({name})"))
+        rate = float(re.search(r"([\d,]+) inner-steps/s per chip", line)[1].replace(",", ""))
+        share = float(re.search(r"(\d+)% of peak", line)[1])
+        assert rate > 0 and share > 0, line
+    run = re.search(r"2 actors, 20 steps: ([\d.]+) estimates/s", out)
+    assert run and float(run[1]) > 0, out
