@@ -60,7 +60,8 @@ def _image_task(name: str):
     )
 
 
-def _build(name: str):
+def build_config(name: str):
+    """The learned optimizer and gradient estimator of configuration ``name`` (see CONFIGS)."""
     import popmeta as pm
 
     mlp_dtype = "bfloat16" if "-bf16" in name else "float32"
@@ -117,7 +118,7 @@ def run_one(name: str, seconds: float) -> dict:
 
     from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
 
-    lopt, estimator = _build(name)
+    lopt, estimator = build_config(name)
     theta = lopt.init(jax.random.key(0))
     flops_per_step = _flops_per_inner_step(name, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))

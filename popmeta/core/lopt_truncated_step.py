@@ -138,8 +138,11 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         if train_batch is None:
             train_batch = self.task_family.sample_batch(key_data, "train")
         params = opt.get_params(state.inner_opt_state)
-        loss, grad = jax.value_and_grad(task.loss)(params, key_loss, train_batch)
-        opt_state = opt.update(state.inner_opt_state, grad, loss=loss, key=key_opt)
+        # The scopes name these parts in profiles (bench/profile_estimate.py).
+        with jax.named_scope("task_loss_and_grad"):
+            loss, grad = jax.value_and_grad(task.loss)(params, key_loss, train_batch)
+        with jax.named_scope("learned_optimizer_update"):
+            opt_state = opt.update(state.inner_opt_state, grad, loss=loss, key=key_opt)
         inner_step = state.inner_step + 1
         trunc_state, is_done = self.trunc_sched.next_state(
             state.truncation_state, inner_step, key_trunc, outer_state

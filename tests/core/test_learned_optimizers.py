@@ -230,8 +230,8 @@ def test_adam_mlp_lopt_refuses_a_missing_horizon_and_a_foreign_beta1():
 def _mlp_lopt_update_one_parameter_at_a_time(lopt: MLPLOpt, theta, state, grad):
     """MLPLOpt's update as its docstring states it: one input row per parameter, one MLP each.
 
-    The plain formulation the optimizer had before its MLP ran feature-major
-    over all tensors at once; kept here to pin the fast path to the same maths.
+    The plain formulation the optimizer had before its MLP ran over all
+    tensors' stacked features at once; kept here to pin the fast path to the same maths.
     """
     decays = jnp.asarray(lopt.decays)
     momentums = jax.tree.map(
@@ -264,7 +264,7 @@ def _mlp_lopt_update_one_parameter_at_a_time(lopt: MLPLOpt, theta, state, grad):
     return MLPLOptState(params, momentums, rms, state.iteration + 1)
 
 
-@pytest.mark.parametrize("rows", [7, 40])  # 41 parameters (row-major path), 206 (feature-major)
+@pytest.mark.parametrize("rows", [7, 40, 482])  # 41, 206 and 2,416 parameters
 def test_mlp_lopt_fast_path_equals_the_per_parameter_formulation(rows: int):
     lopt = MLPLOpt(output_init_scale=1.0)
     # A population of distinct thetas, as a PES unroll vmaps over (members, tasks).

@@ -75,7 +75,7 @@ def _float32(tree) -> bool:
 def test_a_bfloat16_mlp_step_stays_near_the_float32_step_and_everything_else_float32(kind):
     lopts = {dtype: _lopt(kind, dtype) for dtype in ("float32", "bfloat16")}
     theta = _perturbed(lopts["float32"].init(jax.random.key(0)), jax.random.key(1))
-    # A 2,410-parameter MLP's shapes (its MLP runs feature-major) and a 10-parameter one (row-major).
+    # A 2,410-parameter MLP's shapes and a 10-parameter one.
     for shapes in ({"w": (64, 32), "b": (32,), "w2": (32, 10), "b2": (10,)}, {"w": (10,)}):
         keys = iter(jax.random.split(jax.random.key(2), 64))
         params = {n: jax.random.normal(next(keys), s) for n, s in shapes.items()}

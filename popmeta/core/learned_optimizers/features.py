@@ -258,7 +258,9 @@ def per_parameter_features(
     """``[4 + 2 * num_decays, p.size]`` features of one tensor, normalised over the tensor.
 
     Feature-major: row ``i`` holds feature ``i`` of every element of the
-    flattened tensor (the layout :func:`per_parameter_mlp` multiplies). In
+    flattened tensor, so the normalisation reduces along rows
+    (:func:`per_parameter_mlp` transposes the stacked features, and XLA
+    folds that transpose into the first layer's loop). In
     order: ``p``, ``g``, the momentums ``m`` (one row per decay), ``v``, the
     Adam-like ratios ``m / sqrt(v + epsilon)`` and ``1 / sqrt(v + epsilon)``,
     each divided by its root mean square over the tensor, which makes the
@@ -304,65 +306,48 @@ def mlp_init(key: jax.Array, sizes: Sequence[int], output_init_scale: float) -> 
     return theta
 
 
-#: A layer runs as a sum of outer products (see below) if it has at most this many weights...
+#: A layer with at most this many weights runs as a sum of outer products (see :func:`_linear`).
 _MAX_UNROLLED_WEIGHTS = 512
-#: ... or at most this many multiply-adds per call.
-_MAX_UNROLLED_MULTIPLY_ADDS = 1 << 20
-#: Inner problems with fewer parameters than this run the MLP row-major.
-_MIN_FEATURE_MAJOR_PARAMETERS = 64
 
 
-def _linear(w: jax.Array, x: jax.Array, feature_major: bool) -> jax.Array:
-    """``x @ w`` for row-major ``x`` of ``[n, fan_in]``; ``w.T @ x`` for feature-major ``x``.
+def _linear(w: jax.Array, x: jax.Array) -> jax.Array:
+    """``x @ w`` for ``x`` of ``[n, fan_in]``.
 
     A small layer (the first, reading ~10 features, and the 2-unit output
-    layer), or any layer over few parameters, is written as ``fan_in``
-    broadcast multiply-adds, which XLA fuses into one elementwise loop with
-    the bias and the activation around it. Under a vmap over tasks and
-    members, XLA's CPU dot kernels run such shapes one small product per
-    member, which was slower (docs/performance.md, "Why it is fast"). A large layer over many parameters (the 32x32
-    hidden layer on an image MLP) stays a dot, which is faster there. So
-    does a large layer in the row-major layout: unrolled, it ran no faster
-    and compiled far slower.
+    layer) is written as ``fan_in`` broadcast multiply-adds, which XLA fuses
+    into one elementwise loop with the bias and the activation around it.
+    Under a vmap over tasks and members, XLA's CPU dot kernels run such
+    shapes one small product per member, which was slower (docs/performance.md,
+    "Why it is fast"). A larger layer (the 32x32 hidden layer) is a dot;
+    unrolled, it ran no faster and compiled far slower.
 
     Inputs of a narrower float type (bfloat16) are multiplied in it and
     summed in float32; the result is float32 either way.
     """
     fan_in, fan_out = w.shape
-    weights = fan_in * fan_out
-    few_columns = feature_major and weights * x.shape[1] <= _MAX_UNROLLED_MULTIPLY_ADDS
-    if weights > _MAX_UNROLLED_WEIGHTS and not few_columns:
-        if feature_major:
-            return jnp.matmul(w.T, x, preferred_element_type=jnp.float32)
+    if fan_in * fan_out > _MAX_UNROLLED_WEIGHTS:
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
     w, x = w.astype(jnp.float32), x.astype(jnp.float32)
-
-    def term(k: int) -> jax.Array:
-        return w[k][:, None] * x[k][None, :] if feature_major else x[:, k, None] * w[k][None, :]
-
-    out = term(0)
+    out = x[:, 0, None] * w[0][None, :]
     for k in range(1, fan_in):
-        out = out + term(k)
+        out = out + x[:, k, None] * w[k][None, :]
     return out
 
 
 def _mlp(theta: Params, x: jax.Array, shared: jax.Array, dtype: str = "float32") -> jax.Array:
-    """The MLP on feature-major inputs ``x`` of ``[features, n]``; ``[2, n]`` float32 outputs.
+    """The MLP on row-major inputs ``x`` of ``[n, features]``; ``[n, 2]`` float32 outputs.
 
     ``dtype`` is what the layers' inputs and weights are multiplied in
     (``bfloat16``: in it, summed in float32, each layer's output rounded to it
-    before the next layer); biases and outputs stay float32.
+    before the next layer); biases and outputs stay float32. The shared
+    inputs' share of the first layer is a bias.
 
-    The shared inputs' share of the first layer is a bias. Below
-    ``_MIN_FEATURE_MAJOR_PARAMETERS`` columns the layers run row-major: with a
-    few dozen parameters, a row of 32 hidden units fills the CPU's vector
-    lanes better than a row of a few dozen parameters does (measured in
-    docs/performance.md, "Why it is fast").
+    Row-major because the hidden layer's dot is then ``[n, 32] @ [32, 32]``
+    for each member, which XLA's CPU dot splits well over its threads; the
+    feature-major ``[32, 32] @ [32, n]`` this replaced ran that layer about
+    twice as slowly on two cores (docs/performance.md, "Why it is fast").
     """
-    feature_major = x.shape[1] >= _MIN_FEATURE_MAJOR_PARAMETERS
-    num_per_parameter = x.shape[0]
-    if not feature_major:
-        x = x.T
+    num_per_parameter = x.shape[1]
     n_layers = len(theta)
     for i in range(n_layers):
         layer = theta[f"linear_{i}"]
@@ -370,11 +355,10 @@ def _mlp(theta: Params, x: jax.Array, shared: jax.Array, dtype: str = "float32")
         if i == 0:
             b = b + shared @ w[num_per_parameter:]
             w = w[:num_per_parameter]
-        x = _linear(w.astype(dtype), x.astype(dtype), feature_major)
-        x = x + (b[:, None] if feature_major else b)
+        x = _linear(w.astype(dtype), x.astype(dtype)) + b
         if i < n_layers - 1:
             x = jax.nn.relu(x)
-    return x if feature_major else x.T
+    return x
 
 
 def per_parameter_mlp(
@@ -398,28 +382,28 @@ def per_parameter_mlp(
     reads), and the MLP is the relu MLP of :func:`mlp_init`. It is computed
     the way XLA runs it fastest, and equals the MLP applied to each
     parameter's input row up to float rounding: every tensor's features are
-    stacked into one feature-major ``[features, total parameters]`` matrix, so
-    each layer is one operation however many tensors the inner problem has,
-    and the shared features' share of the first layer is computed once, as a
-    bias, instead of once per parameter (faster than per-tensor row-major
-    dots: docs/performance.md, "Why it is fast"); below
-    ``_MIN_FEATURE_MAJOR_PARAMETERS`` parameters the same layers run
-    row-major, which is faster there.
+    stacked into one ``[total parameters, features]`` matrix, so each layer
+    is one operation however many tensors the inner problem has, and the
+    shared features' share of the first layer is computed once, as a bias,
+    instead of once per parameter (faster than per-tensor dots:
+    docs/performance.md, "Why it is fast").
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    columns = [
-        per_parameter_features(p, g, m, v, epsilon, normalize_epsilon)
-        for p, g, m, v in zip(
-            leaves,
-            treedef.flatten_up_to(grad),
-            treedef.flatten_up_to(momentums),
-            treedef.flatten_up_to(rms),
-            strict=True,
-        )
-    ]
-    x = _mlp(theta, jnp.concatenate(columns, axis=1), shared, mlp_dtype)
+    with jax.named_scope("per_parameter_features"):
+        columns = [
+            per_parameter_features(p, g, m, v, epsilon, normalize_epsilon)
+            for p, g, m, v in zip(
+                leaves,
+                treedef.flatten_up_to(grad),
+                treedef.flatten_up_to(momentums),
+                treedef.flatten_up_to(rms),
+                strict=True,
+            )
+        ]
+    with jax.named_scope("per_parameter_mlp"):
+        x = _mlp(theta, jnp.concatenate(columns, axis=1).T, shared, mlp_dtype)
     offsets = np.cumsum([p.size for p in leaves])[:-1]
-    outputs = jnp.split(x, offsets, axis=1)
-    first = [o[0].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
-    second = [o[1].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
+    outputs = jnp.split(x, offsets, axis=0)
+    first = [o[:, 0].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
+    second = [o[:, 1].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
     return treedef.unflatten(first), treedef.unflatten(second)
