@@ -13,7 +13,13 @@ from popmeta.core.learned_optimizers import (
     MLPLOpt,
     NormalizedMLPLOpt,
 )
-from popmeta.registry.kinds import Fraction, PositiveFloat, PositiveInt, Registry
+from popmeta.registry.kinds import (
+    Fraction,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    Registry,
+)
 
 __all__ = ["LEARNED_OPTIMIZERS"]
 
@@ -105,6 +111,7 @@ def normalized_mlp(
     schedule_hidden_size: PositiveInt = 16,
     loss_features: bool = True,
     external_schedule: Literal["constant", "cosine", "linear"] = "constant",
+    weight_decay: NonNegativeFloat = 0.0,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -113,6 +120,7 @@ def normalized_mlp(
     schedule_hidden_size: width of the step-size schedule MLP's hidden layer.
     loss_features: whether the MLPs read the normalized loss (the optimizer then needs the loss).
     external_schedule: a fixed multiplier of the step size over the run.
+    weight_decay: decoupled weight decay, times the step size: p -= lr * (update + wd * p).
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -121,5 +129,6 @@ def normalized_mlp(
         schedule_hidden_size=schedule_hidden_size,
         loss_features=loss_features,
         external_schedule=external_schedule,
+        weight_decay=weight_decay,
         mlp_dtype=mlp_dtype,
     )

@@ -53,6 +53,30 @@ def test_untrained_it_is_adam_normalized_per_tensor():
     assert int(state.iteration) == 12
 
 
+def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
+    """``p <- p - lr * (n + wd * p)``, as AdamW; ``weight_decay=0`` is the rule without it."""
+    decayed, plain = (
+        NormalizedMLPLOpt(initial_lr=0.02, weight_decay=0.5),
+        NormalizedMLPLOpt(initial_lr=0.02),
+    )
+    theta = _random_theta(plain, 1.0)
+    opts = {"decayed": decayed.opt_fn(theta), "plain": plain.opt_fn(theta)}
+    states = {k: o.init(PARAMS, num_steps=30) for k, o in opts.items()}
+    for i in range(5):
+        # Both step from the same state: the decay's term is then exactly -lr * wd * p.
+        grad, loss = _grad(states["plain"].params, i), jnp.float32(1.0 / (i + 1))
+        decayed_updates, _ = opts["decayed"].step(states["plain"], grad, loss=loss)
+        plain_updates, states["plain"] = opts["plain"].step(states["plain"], grad, loss=loss)
+        lr = _rms(plain_updates["w"])  # every tensor's plain step has RMS lr
+        for name, p in states["plain"].params.items():
+            before = p - plain_updates[name]
+            np.testing.assert_allclose(
+                decayed_updates[name], plain_updates[name] - lr * 0.5 * before, rtol=1e-4, atol=1e-7
+            )
+    with pytest.raises(ValueError, match="weight_decay"):
+        NormalizedMLPLOpt(weight_decay=-0.1)
+
+
 def test_every_tensor_moves_by_the_same_rms_whatever_theta():
     lopt = NormalizedMLPLOpt(initial_lr=0.01)
     opt = lopt.opt_fn(_random_theta(lopt, 3.0))

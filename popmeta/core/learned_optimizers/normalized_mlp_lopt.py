@@ -177,6 +177,8 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
         ) -> jax.Array:
             u = jnp.exp(_bounded(log_scale)) * (a + correction)
             normalized = u * jax.lax.rsqrt(jnp.mean(jnp.square(u)) + _RMS_EPSILON)
+            if lopt.weight_decay:
+                normalized = normalized + lopt.weight_decay * p
             return -(lr * normalized).astype(p.dtype)
 
         updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
@@ -217,6 +219,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         schedule_hidden_size: int = 16,
         loss_features: bool = True,
         external_schedule: str = "constant",
+        weight_decay: float = 0.0,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -235,6 +238,10 @@ class NormalizedMLPLOpt(LearnedOptimizer):
           loss_features: whether both MLPs read the normalized loss features
             (then the optimizer needs the loss every step).
           external_schedule: a key of :data:`EXTERNAL_SCHEDULES` multiplying the step size.
+          weight_decay: decoupled weight decay scaled by the step size, as in
+            AdamW: ``p <- p - lr * (n + weight_decay * p)``. A normalized step
+            keeps its full size once the gradient carries no signal, and
+            without decay keeps scaling the weights up (docs/generalist.md).
           decays: momentum EMA decays, one feature (and one ratio feature) each.
           rms_decay: decay of the squared-gradient EMA (Adam's beta2).
           timescales: iteration timescales of the short time features.
@@ -245,6 +252,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         """
         if not initial_lr > 0:
             raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
@@ -259,6 +268,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.schedule_hidden_size = int(schedule_hidden_size)
         self.loss_features = bool(loss_features)
         self.external_schedule = external_schedule
+        self.weight_decay = float(weight_decay)
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
