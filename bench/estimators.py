@@ -84,6 +84,11 @@ def build_config(name: str):
     return lopt, estimator
 
 
+def inner_steps_per_estimate(estimator) -> int:
+    """Inner steps behind one estimate: every task, antithetic member and step of the truncation."""
+    return estimator.num_members * estimator.truncated_step.num_tasks * estimator.trunc_length
+
+
 def _flops_per_inner_step(name: str, lopt) -> float | None:
     """Matmul FLOPs one inner step of the image task executes (elementwise ops ignored).
 
@@ -158,10 +163,7 @@ def run_one(name: str, seconds: float) -> dict:
             jax.block_until_ready(train_state.params)
         rates.append(round_count / (time.perf_counter() - start))
     estimates_per_s = statistics.median(rates)
-    steps_per_estimate = (
-        estimator.num_members * estimator.truncated_step.num_tasks * (estimator.trunc_length)
-    )
-    steps_per_s = estimates_per_s * steps_per_estimate
+    steps_per_s = estimates_per_s * inner_steps_per_estimate(estimator)
     return {
         "config": name,
         "estimates_per_s": estimates_per_s,

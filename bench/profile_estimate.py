@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from estimators import CONFIGS, build_config
+from estimators import CONFIGS, build_config, inner_steps_per_estimate
 
 #: Named scopes of popmeta's core, innermost first: an instruction belongs to the first found.
 PARTS = (
@@ -120,9 +120,7 @@ def main() -> None:
 
     known = {name: us / args.estimates / 1e3 for name, us in per_op.items() if name in parts}
     total = sum(known.values())
-    inner_steps = (
-        estimator.num_members * estimator.truncated_step.num_tasks * estimator.trunc_length
-    )
+    inner_steps = inner_steps_per_estimate(estimator)
     print(
         f"({args.config}) {CONFIGS[args.config]}: {wall * 1e3:.2f} ms per estimate untraced "
         f"({inner_steps / wall:,.0f} inner-steps/s); XLA operations traced: {total:.2f} ms "

@@ -54,7 +54,7 @@ def test_untrained_it_is_adam_normalized_per_tensor():
 
 
 def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
-    """``p <- p - lr * (n + wd * p)``, as AdamW; ``weight_decay=0`` is the rule without it."""
+    """``p <- p - lr * (n + wd * p)``, as AdamW: the plain rule's step minus ``lr * wd * p``."""
     decayed, plain = (
         NormalizedMLPLOpt(initial_lr=0.02, weight_decay=0.5),
         NormalizedMLPLOpt(initial_lr=0.02),
