@@ -112,6 +112,7 @@ def normalized_mlp(
     loss_features: bool = True,
     external_schedule: Literal["constant", "cosine", "linear"] = "constant",
     weight_decay: NonNegativeFloat = 0.0,
+    step_rms: Literal["equal", "at_most"] = "equal",
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -121,6 +122,8 @@ def normalized_mlp(
     loss_features: whether the MLPs read the normalized loss (the optimizer then needs the loss).
     external_schedule: a fixed multiplier of the step size over the run.
     weight_decay: decoupled weight decay, times the step size: p -= lr * (update + wd * p).
+    step_rms: each tensor's step RMS (before the decay) is the step size (equal), or at most it:
+        the direction is divided by max(its RMS, 1), so Adam-scale steps shrink with the signal.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -130,5 +133,6 @@ def normalized_mlp(
         loss_features=loss_features,
         external_schedule=external_schedule,
         weight_decay=weight_decay,
+        step_rms=step_rms,
         mlp_dtype=mlp_dtype,
     )

@@ -53,6 +53,28 @@ def test_untrained_it_is_adam_normalized_per_tensor():
     assert int(state.iteration) == 12
 
 
+def test_with_step_rms_at_most_untrained_it_is_adam_clipped_per_tensor():
+    """Adam's update divided by max(its RMS over the tensor, 1): Adam's own, whose RMS is at most 1."""
+    lopt = NormalizedMLPLOpt(initial_lr=0.02, step_rms="at_most")
+    opt = lopt.opt_fn(lopt.init(jax.random.key(0)))
+    adam = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
+    state, adam_state = opt.init(PARAMS, num_steps=50), adam.init(PARAMS)
+    step = jax.jit(opt.step)
+    smallest = 1.0
+    for i in range(12):
+        # Gradients whose sign flips every step: Adam's update RMS falls well below 1.
+        grad = _grad(opt.get_params(state), i, scale=(-1.0) ** i)
+        updates, state = step(state, grad, loss=jnp.float32(5.0 / (i + 1)))
+        direction, adam_state = adam.update(grad, adam_state)
+        for name in PARAMS:
+            expected = -0.02 * direction[name] / max(_rms(direction[name]), 1.0)
+            np.testing.assert_allclose(updates[name], expected, rtol=2e-5, atol=1e-9)
+            smallest = min(smallest, _rms(updates[name]) / 0.02)
+    assert smallest < 0.5  # steps shrank with the signal, as the "equal" rule's never do
+    with pytest.raises(ValueError, match="step_rms"):
+        NormalizedMLPLOpt(step_rms="clip")
+
+
 def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
     """``p <- p - lr * (n + wd * p)``, as AdamW: the plain rule's step minus ``lr * wd * p``."""
     decayed, plain = (
@@ -87,6 +109,25 @@ def test_every_tensor_moves_by_the_same_rms_whatever_theta():
         np.testing.assert_allclose(sizes, sizes[0], rtol=1e-4)
         # The learned log step size is bounded: within e^+-4 of the nominal one.
         assert 0.01 * np.exp(-4.0) * 0.999 <= sizes[0] <= 0.01 * np.exp(4.0) * 1.001
+
+
+def test_with_step_rms_at_most_no_tensor_moves_by_more_than_the_step_size_whatever_theta():
+    at_most, equal = (NormalizedMLPLOpt(initial_lr=0.01, step_rms=s) for s in ("at_most", "equal"))
+    theta = _random_theta(equal, 3.0)
+    opts = {"at_most": at_most.opt_fn(theta), "equal": equal.opt_fn(theta)}
+    state = opts["equal"].init(PARAMS, num_steps=40)
+    ratios = []
+    for i in range(6):
+        grad, loss = _grad(state.params, i), jnp.float32(i)
+        bounded, _ = opts["at_most"].step(state, grad, loss=loss)
+        updates, state = opts["equal"].step(state, grad, loss=loss)
+        # Same theta and state: the same step size, which "equal" steps have as their RMS.
+        ratios += [
+            _rms(b) / _rms(u)
+            for b, u in zip(jax.tree.leaves(bounded), jax.tree.leaves(updates), strict=True)
+        ]
+    assert max(ratios) <= 1 + 1e-5
+    assert np.isclose(max(ratios), 1.0, rtol=1e-5)  # some tensors' directions had RMS above 1
 
 
 def test_steps_do_not_depend_on_the_gradient_or_loss_scale():

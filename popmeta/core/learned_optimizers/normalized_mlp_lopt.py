@@ -176,7 +176,10 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             p: jax.Array, a: jax.Array, correction: jax.Array, log_scale: jax.Array
         ) -> jax.Array:
             u = jnp.exp(_bounded(log_scale)) * (a + correction)
-            normalized = u * jax.lax.rsqrt(jnp.mean(jnp.square(u)) + _RMS_EPSILON)
+            mean_square = jnp.mean(jnp.square(u))
+            if lopt.step_rms == "at_most":
+                mean_square = jnp.maximum(mean_square, 1.0)
+            normalized = u * jax.lax.rsqrt(mean_square + _RMS_EPSILON)
             if lopt.weight_decay:
                 normalized = normalized + lopt.weight_decay * p
             return -(lr * normalized).astype(p.dtype)
@@ -220,6 +223,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         loss_features: bool = True,
         external_schedule: str = "constant",
         weight_decay: float = 0.0,
+        step_rms: str = "equal",
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -247,6 +251,12 @@ class NormalizedMLPLOpt(LearnedOptimizer):
           timescales: iteration timescales of the short time features.
           horizon_centers: fractions of the run where a horizon feature switches sign.
           epsilon: Adam's epsilon, also added before ``rsqrt`` in the features.
+          step_rms: ``equal``: every tensor's step (before the decay) has a
+            root mean square of exactly the step size. ``at_most``: the
+            direction is divided by ``max(rms, 1)`` instead, so a step is
+            bounded by the step size but shrinks where Adam's does, when the
+            gradient's sign is noise (untrained, it is then Adam with its
+            update clipped to RMS 1 per tensor).
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -254,6 +264,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        if step_rms not in ("equal", "at_most"):
+            raise ValueError(f"step_rms must be 'equal' or 'at_most', got {step_rms!r}")
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
@@ -269,6 +281,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.loss_features = bool(loss_features)
         self.external_schedule = external_schedule
         self.weight_decay = float(weight_decay)
+        self.step_rms = step_rms
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
