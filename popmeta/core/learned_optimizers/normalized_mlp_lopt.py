@@ -8,11 +8,12 @@ distribution:
     d, s    = MLP(per-parameter features, global features)
     u       = exp(bound(s)) * (a + d)
     n       = u / rms(u)                                  RMS over each tensor, every step
+                                                          (step_rms="at_most": u / max(rms(u), 1))
     lr      = exp(log_lr + bound(schedule(global features))) * external(f)
     p      <- p - lr * n
 
-Every tensor moves by exactly ``lr`` in root mean square, so no input the MLP
-never saw can make a step explode. Untrained, it is Adam with its update
+Every tensor moves by exactly ``lr`` in root mean square (at most ``lr`` with
+``step_rms="at_most"``), so no input the MLP never saw can make a step explode. Untrained, it is Adam with its update
 RMS-normalized per tensor. Its features, and why: docs/generalist.md.
 """
 
