@@ -13,8 +13,10 @@ distribution:
     p      <- p - lr * n
 
 Every tensor moves by exactly ``lr`` in root mean square (at most ``lr`` with
-``step_rms="at_most"``), so no input the MLP never saw can make a step explode. Untrained, it is Adam with its update
-RMS-normalized per tensor. Its features, and why: docs/generalist.md.
+``step_rms="at_most"``), so no input the MLP never saw can make a step
+explode. Untrained, it is Adam with its update RMS-normalized per tensor
+(clipped to RMS 1 per tensor with ``at_most``). Its features, and why:
+docs/generalist.md.
 """
 
 from __future__ import annotations
