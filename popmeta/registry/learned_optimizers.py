@@ -113,6 +113,7 @@ def normalized_mlp(
     external_schedule: Literal["constant", "cosine", "linear"] = "constant",
     weight_decay: NonNegativeFloat = 0.0,
     step_rms: Literal["equal", "at_most"] = "equal",
+    correction_scale: Literal["unit", "adam"] = "unit",
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -124,6 +125,8 @@ def normalized_mlp(
     weight_decay: decoupled weight decay, times the step size: p -= lr * (update + wd * p).
     step_rms: each tensor's step RMS (before the decay) is the step size (equal), or at most it:
         the direction is divided by max(its RMS, 1), so Adam-scale steps shrink with the signal.
+    correction_scale: the MLP's correction to Adam's direction as it comes out (unit), or times
+        the RMS of Adam's direction over the tensor (adam), so it shrinks as Adam's steps do.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -134,5 +137,6 @@ def normalized_mlp(
         external_schedule=external_schedule,
         weight_decay=weight_decay,
         step_rms=step_rms,
+        correction_scale=correction_scale,
         mlp_dtype=mlp_dtype,
     )

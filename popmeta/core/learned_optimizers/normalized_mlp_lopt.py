@@ -6,7 +6,7 @@ distribution:
 
     a       = m_hat / (sqrt(v_hat) + epsilon)            Adam's direction, per parameter
     d, s    = MLP(per-parameter features, global features)
-    u       = exp(bound(s)) * (a + d)
+    u       = exp(bound(s)) * (a + d)                    (correction_scale="adam": a + rms(a) * d)
     n       = u / rms(u)                                  RMS over each tensor, every step
                                                           (step_rms="at_most": u / max(rms(u), 1))
     lr      = exp(log_lr + bound(schedule(global features))) * external(f)
@@ -15,7 +15,10 @@ distribution:
 Every tensor moves by exactly ``lr`` in root mean square (at most ``lr`` with
 ``step_rms="at_most"``), so no input the MLP never saw can make a step
 explode. Untrained, it is Adam with its update RMS-normalized per tensor
-(clipped to RMS 1 per tensor with ``at_most``). Its features, and why:
+(clipped to RMS 1 per tensor with ``at_most``). With
+``correction_scale="adam"`` the MLP's correction is measured in units of
+Adam's own step per tensor, so the learned part of a step shrinks as Adam's
+does once the gradient's sign is noise. Its features, and why:
 docs/generalist.md.
 """
 
@@ -178,6 +181,8 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
         def tensor_update(
             p: jax.Array, a: jax.Array, correction: jax.Array, log_scale: jax.Array
         ) -> jax.Array:
+            if lopt.correction_scale == "adam":
+                correction = correction * jnp.sqrt(jnp.mean(jnp.square(a)))
             u = jnp.exp(_bounded(log_scale)) * (a + correction)
             mean_square = jnp.mean(jnp.square(u))
             if lopt.step_rms == "at_most":
@@ -227,6 +232,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         external_schedule: str = "constant",
         weight_decay: float = 0.0,
         step_rms: str = "equal",
+        correction_scale: str = "unit",
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -260,6 +266,12 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             bounded by the step size but shrinks where Adam's does, when the
             gradient's sign is noise (untrained, it is then Adam with its
             update clipped to RMS 1 per tensor).
+          correction_scale: what the MLP's correction to Adam's direction is
+            measured in. ``unit``: it is added as it comes out, so late in a
+            long run, when Adam's steps have shrunk, it is most of the step.
+            ``adam``: it is multiplied by the root mean square of Adam's
+            direction over the tensor first, so the learned part of a step
+            shrinks with Adam's (docs/generalist.md).
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -269,6 +281,10 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         if step_rms not in ("equal", "at_most"):
             raise ValueError(f"step_rms must be 'equal' or 'at_most', got {step_rms!r}")
+        if correction_scale not in ("unit", "adam"):
+            raise ValueError(
+                f"correction_scale must be 'unit' or 'adam', got {correction_scale!r}"
+            )
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
@@ -285,6 +301,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.external_schedule = external_schedule
         self.weight_decay = float(weight_decay)
         self.step_rms = step_rms
+        self.correction_scale = correction_scale
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
