@@ -75,6 +75,37 @@ def test_with_step_rms_at_most_untrained_it_is_adam_clipped_per_tensor():
         NormalizedMLPLOpt(step_rms="clip")
 
 
+def test_with_correction_scale_adam_the_learned_part_of_a_step_shrinks_with_adams():
+    """The MLP's correction, in units of Adam's step, cannot keep steps large once Adam's shrink."""
+    rules = {
+        c: NormalizedMLPLOpt(initial_lr=0.01, step_rms="at_most", correction_scale=c)
+        for c in ("unit", "adam")
+    }
+    theta = rules["unit"].init(jax.random.key(0))
+    # A learned rule's output layer (its corrections and log-scales of order 0.1-1, as measured
+    # for meta-trained ones), with the step-size schedule left at initial_lr.
+    theta["mlp"]["linear_2"]["w"] = 0.3 * jax.random.normal(jax.random.key(5), (32, 2))
+    opts = {c: rule.opt_fn(theta) for c, rule in rules.items()}
+    adam = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
+    state, adam_state = opts["unit"].init(PARAMS, num_steps=100), adam.init(PARAMS)
+    for i in range(40):
+        # Pure noise: the gradient's sign flips every step, and Adam's steps shrink to ~1/20.
+        grad = jax.tree.map(lambda p, i=i: (-1.0) ** i * (1.5 + jnp.sin(3.0 * p)), state.params)
+        direction, adam_state = adam.update(grad, adam_state)
+        relative, _ = opts["adam"].step(state, grad, loss=jnp.float32(1.0))
+        absolute, state = opts["unit"].step(state, grad, loss=jnp.float32(1.0))
+        if i == 0:
+            # Adam's first direction is sign(g), of RMS 1: both scales of correction agree.
+            for name in PARAMS:
+                np.testing.assert_allclose(relative[name], absolute[name], rtol=1e-5, atol=1e-9)
+    for name in PARAMS:
+        assert _rms(direction[name]) < 0.1
+        assert _rms(absolute[name]) > 0.2 * 0.01  # the unit-scale correction keeps steps large
+        assert _rms(relative[name]) < 0.25 * _rms(absolute[name])
+    with pytest.raises(ValueError, match="correction_scale"):
+        NormalizedMLPLOpt(correction_scale="tensor")
+
+
 def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
     """``p <- p - lr * (n + wd * p)``, as AdamW: the plain rule's step minus ``lr * wd * p``."""
     decayed, plain = (
