@@ -282,9 +282,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         if step_rms not in ("equal", "at_most"):
             raise ValueError(f"step_rms must be 'equal' or 'at_most', got {step_rms!r}")
         if correction_scale not in ("unit", "adam"):
-            raise ValueError(
-                f"correction_scale must be 'unit' or 'adam', got {correction_scale!r}"
-            )
+            raise ValueError(f"correction_scale must be 'unit' or 'adam', got {correction_scale!r}")
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
