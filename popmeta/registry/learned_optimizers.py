@@ -114,6 +114,7 @@ def normalized_mlp(
     weight_decay: NonNegativeFloat = 0.0,
     step_rms: Literal["equal", "at_most"] = "equal",
     correction_scale: Literal["unit", "adam"] = "unit",
+    run_length_feature: bool = False,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -127,6 +128,7 @@ def normalized_mlp(
         the direction is divided by max(its RMS, 1), so Adam-scale steps shrink with the signal.
     correction_scale: the MLP's correction to Adam's direction as it comes out (unit), or times
         the RMS of Adam's direction over the tensor (adam), so it shrinks as Adam's steps do.
+    run_length_feature: whether the MLPs also read log10(num_steps) - 2: how long the run is.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -138,5 +140,6 @@ def normalized_mlp(
         weight_decay=weight_decay,
         step_rms=step_rms,
         correction_scale=correction_scale,
+        run_length_feature=run_length_feature,
         mlp_dtype=mlp_dtype,
     )

@@ -106,6 +106,22 @@ def test_with_correction_scale_adam_the_learned_part_of_a_step_shrinks_with_adam
         NormalizedMLPLOpt(correction_scale="tensor")
 
 
+def test_with_run_length_feature_steps_depend_on_the_run_length_not_only_the_fraction():
+    """At the first step every other feature is the same for a 50- and a 500-step run."""
+    for reads_length in (False, True):
+        lopt = NormalizedMLPLOpt(initial_lr=0.01, run_length_feature=reads_length)
+        assert lopt.num_global_features == 10 + reads_length
+        opt = lopt.opt_fn(_random_theta(lopt, 1.0))
+        grad = _grad(PARAMS, 0)
+        short, _ = opt.step(opt.init(PARAMS, num_steps=50), grad, loss=jnp.float32(2.0))
+        long, _ = opt.step(opt.init(PARAMS, num_steps=500), grad, loss=jnp.float32(2.0))
+        differences = [float(jnp.max(jnp.abs(short[name] - long[name]))) for name in PARAMS]
+        if reads_length:
+            assert max(differences) > 1e-4
+        else:
+            assert max(differences) == 0.0
+
+
 def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
     """``p <- p - lr * (n + wd * p)``, as AdamW: the plain rule's step minus ``lr * wd * p``."""
     decayed, plain = (

@@ -159,6 +159,8 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
         if lopt.loss_features:
             loss_features, initial_loss, loss_ema = self._loss_features(state, loss)
             shared = jnp.concatenate([shared, loss_features])
+        if lopt.run_length_feature:
+            shared = jnp.concatenate([shared, (jnp.log10(state.num_steps) - 2.0)[None]])
 
         schedule = _schedule_mlp(theta["schedule"], shared)
         fraction = iteration / state.num_steps
@@ -233,6 +235,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         weight_decay: float = 0.0,
         step_rms: str = "equal",
         correction_scale: str = "unit",
+        run_length_feature: bool = False,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -272,6 +275,10 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             ``adam``: it is multiplied by the root mean square of Adam's
             direction over the tensor first, so the learned part of a step
             shrinks with Adam's (docs/generalist.md).
+          run_length_feature: whether both MLPs also read how long the run
+            is, ``log10(num_steps) - 2`` (0 at 100 steps), so that the rule can
+            take different steps in runs of different lengths at the same
+            fraction done; the other time features read only that fraction.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -300,6 +307,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.weight_decay = float(weight_decay)
         self.step_rms = step_rms
         self.correction_scale = correction_scale
+        self.run_length_feature = bool(run_length_feature)
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
@@ -313,13 +321,15 @@ class NormalizedMLPLOpt(LearnedOptimizer):
 
     @property
     def num_global_features(self) -> int:
-        """Width of the global features (12 with the defaults)."""
+        """Width of the global features (10 with the defaults)."""
         loss = 2 if self.loss_features else 0
-        return num_time_and_horizon_features(len(self.timescales), len(self.horizon_centers)) + loss
+        run_length = 1 if self.run_length_feature else 0
+        time = num_time_and_horizon_features(len(self.timescales), len(self.horizon_centers))
+        return time + loss + run_length
 
     @property
     def num_features(self) -> int:
-        """Width of the per-parameter MLP's input (22 with the defaults)."""
+        """Width of the per-parameter MLP's input (20 with the defaults)."""
         return num_per_parameter_features(len(self.decays)) + self.num_global_features
 
     def init(self, key: jax.Array) -> MetaParams:
