@@ -84,7 +84,8 @@ def test_with_correction_scale_adam_the_learned_part_of_a_step_shrinks_with_adam
     theta = rules["unit"].init(jax.random.key(0))
     # A learned rule's output layer (its corrections and log-scales of order 0.1-1, as measured
     # for meta-trained ones), with the step-size schedule left at initial_lr.
-    theta["mlp"]["linear_2"]["w"] = 0.3 * jax.random.normal(jax.random.key(5), (32, 2))
+    output = theta["mlp"]["linear_2"]
+    output["w"] = 0.3 * jax.random.normal(jax.random.key(5), output["w"].shape)
     opts = {c: rule.opt_fn(theta) for c, rule in rules.items()}
     adam = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
     state, adam_state = opts["unit"].init(PARAMS, num_steps=100), adam.init(PARAMS)
