@@ -366,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def console() -> None:
     """The ``popmeta`` command: :func:`main`, and its status as the process's exit status."""
+    from popmeta.run_signals import StopSignals
+
+    StopSignals.process_ends_with_run = True
     status = main()
     if status == EX_INTERRUPTED:
         # Ray's exit handler still stops the processes this run started: one

@@ -272,6 +272,9 @@ class _RunLoop:
                 config = self._size_calls(population)
             if worker_states:
                 _load_worker_states(population, worker_states, stream)
+            # The start ends where the directory becomes the run's: a signal
+            # from here on stops the run with a checkpoint, never half recorded.
+            self.stop.begin_training()
             try:
                 record_config(run, config)
             except OSError as err:
@@ -337,7 +340,6 @@ class _RunLoop:
         interrupted = False
         failure: BaseException | None = None
         failures = 0
-        stop.begin_training()
         try:
             while learner.version < tcfg.num_steps and stop.received is None:
                 gathered = population.gather(learner.theta(), learner.version)

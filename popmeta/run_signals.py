@@ -49,7 +49,16 @@ class StopSignals:
     callback (JAX registers one) has its ``KeyboardInterrupt`` discarded by
     Python as unraisable: such an interrupt is not printed, and the start
     stops at :meth:`begin_training` instead.
+
+    Leaving the block restores the previous handlers, except where
+    :attr:`process_ends_with_run` is set (the ``popmeta`` command sets it):
+    there, once a signal has stopped the run, the three signals stay ignored,
+    as an interrupt raised after the run's own handling would break off the
+    closing message or Ray's exit handler half-way.
     """
+
+    #: The process exits once the run ends (the ``popmeta`` command, not a notebook).
+    process_ends_with_run: bool = False
 
     def __init__(self) -> None:
         self.received: str | None = None
@@ -99,8 +108,9 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        stopped = self.process_ends_with_run and self.received is not None
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if stopped else handler)
         if self._previous_unraisable_hook is not None:
             sys.unraisablehook = self._previous_unraisable_hook
 

@@ -1,14 +1,24 @@
-"""A signal while the run starts stops the start, even when Python cannot raise it where it lands."""
+"""A signal while the run starts stops the start, even when Python cannot raise it where it lands.
+
+What a stopped start leaves must be what its message says: nothing (a signal
+before the run directory is the run's) or a checkpoint (a signal after).
+"""
 
 from __future__ import annotations
 
 import gc
+import io
+import os
 import signal
 import sys
 
 import pytest
 
+from popmeta import run_loop
+from popmeta.learner.checkpoints import list_checkpoints
+from popmeta.run_loop import RunInterrupted, train
 from popmeta.run_signals import StopSignals
+from tests.local_run import local_config
 
 
 def _record_unraisable(monkeypatch) -> list:
@@ -59,3 +69,59 @@ def test_other_unraisable_errors_still_reach_the_previous_hook(monkeypatch):
         Broken()
         gc.collect()
     assert [str(err) for err in seen] == ["from a finaliser"]
+
+
+def _signal_after(monkeypatch, name: str) -> None:
+    """A real SIGINT to this process as soon as the run loop's ``name`` returns."""
+    original = getattr(run_loop, name)
+
+    def and_a_signal(*args):
+        value = original(*args)
+        os.kill(os.getpid(), signal.SIGINT)
+        return value
+
+    monkeypatch.setattr(run_loop, name, and_a_signal)
+
+
+def test_a_signal_while_the_population_starts_leaves_no_run_directory(tmp_path, monkeypatch):
+    _signal_after(monkeypatch, "describe_placement")
+    with pytest.raises(RunInterrupted, match="nothing of this start was kept"):
+        train(local_config(tmp_path, "early"), stream=io.StringIO())
+    assert not (tmp_path / "early").exists()
+
+
+def test_a_signal_once_the_config_is_recorded_ends_with_a_checkpoint(tmp_path, monkeypatch):
+    _signal_after(monkeypatch, "record_config")
+    out = io.StringIO()
+    result = train(local_config(tmp_path, "late"), stream=out)
+    assert result.interrupted and result.final_step == 0
+    (saved,) = list_checkpoints(tmp_path / "late" / "checkpoints")
+    assert f"interrupted (SIGINT) at step 0: {saved}" in out.getvalue()
+
+
+@pytest.fixture
+def restored_handlers():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+    StopSignals.process_ends_with_run = False
+
+
+def test_a_process_that_ends_with_its_run_ignores_signals_once_one_stopped_it(restored_handlers):
+    before = signal.getsignal(signal.SIGINT)
+    StopSignals.process_ends_with_run = True
+    with StopSignals():
+        pass  # no signal came: the handlers are given back
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt), StopSignals() as stop:
+        stop._handle(signal.SIGINT, None)  # while starting: stops at once
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_elsewhere_the_previous_handlers_come_back_after_a_stop(restored_handlers):
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), StopSignals() as stop:
+        stop._handle(signal.SIGINT, None)
+    assert signal.getsignal(signal.SIGINT) is before
