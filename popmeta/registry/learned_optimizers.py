@@ -115,6 +115,7 @@ def normalized_mlp(
     step_rms: Literal["equal", "at_most"] = "equal",
     correction_scale: Literal["unit", "adam"] = "unit",
     run_length_feature: bool = False,
+    element_clip: PositiveFloat | None = None,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -129,6 +130,8 @@ def normalized_mlp(
     correction_scale: the MLP's correction to Adam's direction as it comes out (unit), or times
         the RMS of Adam's direction over the tensor (adam), so it shrinks as Adam's steps do.
     run_length_feature: whether the MLPs also read log10(num_steps) - 2: how long the run is.
+    element_clip: the most one parameter's step (before the decay) may be, in step sizes; none
+        by default. Above 3.2 it leaves Adam's own direction alone.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -141,5 +144,6 @@ def normalized_mlp(
         step_rms=step_rms,
         correction_scale=correction_scale,
         run_length_feature=run_length_feature,
+        element_clip=element_clip,
         mlp_dtype=mlp_dtype,
     )

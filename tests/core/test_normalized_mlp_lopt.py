@@ -123,6 +123,37 @@ def test_with_run_length_feature_steps_depend_on_the_run_length_not_only_the_fra
             assert max(differences) == 0.0
 
 
+def test_element_clip_bounds_one_parameters_step_and_leaves_adams_own_alone():
+    """RMS normalization lets the one element of 64 that gets a gradient move 8 step sizes."""
+    params = {"w": jnp.zeros((8, 8))}
+    spike = {"w": jnp.zeros((8, 8)).at[3, 4].set(2.0)}
+    steps = {}
+    for clip in (None, 3.0):
+        lopt = NormalizedMLPLOpt(initial_lr=0.01, element_clip=clip)
+        opt = lopt.opt_fn(lopt.init(jax.random.key(0)))
+        updates, _ = opt.step(opt.init(params, num_steps=20), spike, loss=jnp.float32(1.0))
+        steps[clip] = float(jnp.max(jnp.abs(updates["w"])))
+    np.testing.assert_allclose(steps[None], 0.01 * 8.0, rtol=1e-5)
+    np.testing.assert_allclose(steps[3.0], 0.01 * 3.0, rtol=1e-5)
+
+    # Adam's direction is at most (1 - 0.9) / sqrt(1 - 0.999) = 3.16 per element, reached by
+    # a gradient that comes after a long silence: a bound above it changes nothing untrained.
+    flipping = jnp.where(jnp.arange(64).reshape(8, 8) % 2 == 0, 0.01, -0.01).at[3, 4].set(0.0)
+    last = {}
+    for clip in (None, 3.2):
+        lopt = NormalizedMLPLOpt(initial_lr=0.01, step_rms="at_most", element_clip=clip)
+        opt = lopt.opt_fn(lopt.init(jax.random.key(0)))
+        step = jax.jit(opt.step)
+        state = opt.init(params, num_steps=2001)
+        for i in range(2000):
+            _, state = step(state, {"w": (-1) ** i * flipping}, loss=jnp.float32(1.0))
+        last[clip], _ = step(state, {"w": flipping.at[3, 4].set(1.0)}, loss=jnp.float32(1.0))
+    assert float(jnp.max(jnp.abs(last[None]["w"]))) > 0.01 * 2.9
+    np.testing.assert_array_equal(last[3.2]["w"], last[None]["w"])
+    with pytest.raises(ValueError, match="element_clip"):
+        NormalizedMLPLOpt(element_clip=0.0)
+
+
 def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
     """``p <- p - lr * (n + wd * p)``, as AdamW: the plain rule's step minus ``lr * wd * p``."""
     decayed, plain = (

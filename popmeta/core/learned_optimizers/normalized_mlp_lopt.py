@@ -9,6 +9,7 @@ distribution:
     u       = exp(bound(s)) * (a + d)                    (correction_scale="adam": a + rms(a) * d)
     n       = u / rms(u)                                  RMS over each tensor, every step
                                                           (step_rms="at_most": u / max(rms(u), 1))
+                                                          (element_clip=c: then clip(n, -c, c))
     lr      = exp(log_lr + bound(schedule(global features))) * external(f)
     p      <- p - lr * n
 
@@ -18,8 +19,9 @@ explode. Untrained, it is Adam with its update RMS-normalized per tensor
 (clipped to RMS 1 per tensor with ``at_most``). With
 ``correction_scale="adam"`` the MLP's correction is measured in units of
 Adam's own step per tensor, so the learned part of a step shrinks as Adam's
-does once the gradient's sign is noise. Its features, and why:
-docs/generalist.md.
+does once the gradient's sign is noise. The RMS bounds a tensor's step, not
+one parameter's: one of ``n`` elements may take up to ``sqrt(n)`` step sizes;
+``element_clip`` bounds that too. Its features, and why: docs/generalist.md.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             if lopt.step_rms == "at_most":
                 mean_square = jnp.maximum(mean_square, 1.0)
             normalized = u * jax.lax.rsqrt(mean_square + _RMS_EPSILON)
+            if lopt.element_clip is not None:
+                normalized = jnp.clip(normalized, -lopt.element_clip, lopt.element_clip)
             if lopt.weight_decay:
                 normalized = normalized + lopt.weight_decay * p
             return -(lr * normalized).astype(p.dtype)
@@ -236,6 +240,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         step_rms: str = "equal",
         correction_scale: str = "unit",
         run_length_feature: bool = False,
+        element_clip: float | None = None,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -279,6 +284,13 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             is, ``log10(num_steps) - 2`` (0 at 100 steps), so that the rule can
             take different steps in runs of different lengths at the same
             fraction done; the other time features read only that fraction.
+          element_clip: the largest step one parameter may take (before the
+            decay), in step sizes; ``None``: no bound but the tensor's RMS,
+            which lets one of ``n`` elements move ``sqrt(n)`` step sizes.
+            Adam's own direction never exceeds ``(1 - beta1) / sqrt(1 -
+            rms_decay)`` per element (3.16 with the defaults; Kingma & Ba,
+            2015, section 2.1), so a bound above that clips only the MLP's
+            correction.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -290,6 +302,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             raise ValueError(f"step_rms must be 'equal' or 'at_most', got {step_rms!r}")
         if correction_scale not in ("unit", "adam"):
             raise ValueError(f"correction_scale must be 'unit' or 'adam', got {correction_scale!r}")
+        if element_clip is not None and not element_clip > 0:
+            raise ValueError(f"element_clip must be > 0 or None, got {element_clip!r}")
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
@@ -308,6 +322,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.step_rms = step_rms
         self.correction_scale = correction_scale
         self.run_length_feature = bool(run_length_feature)
+        self.element_clip = None if element_clip is None else float(element_clip)
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
