@@ -10,6 +10,7 @@ they read (and the state fields that carry them), Adam's direction and the MLP.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -37,6 +38,8 @@ __all__ = [
     "per_parameter_features",
     "per_parameter_mlp",
     "per_parameter_mlp_init",
+    "safe_sqrt",
+    "second_moment_normalize",
     "short_time_features",
     "start_fields",
     "time_and_horizon_features",
@@ -195,7 +198,7 @@ def adam_directions(
 
     def direction(m: jax.Array, v: jax.Array) -> jax.Array:
         m_hat = m[..., beta1_index] / momentum_correction
-        return m_hat / (jnp.sqrt(v / rms_correction) + epsilon)
+        return m_hat / (safe_sqrt(v / rms_correction) + epsilon)
 
     return jax.tree.map(direction, momentums, rms)
 
@@ -243,8 +246,32 @@ def adam_and_mlp(
     return directions, first, second
 
 
-def _second_moment_normalize(x: jax.Array, axes: tuple[int, ...], eps: float = 1e-5) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def second_moment_normalize(x: jax.Array, axes: tuple[int, ...], eps: float = 1e-5) -> jax.Array:
+    """``x / sqrt(mean(x**2) + eps)`` over ``axes``, differentiable where ``x`` is all zero.
+
+    The plain derivative goes through ``rsqrt``'s, ``-(mean + eps)**-1.5 / 2``,
+    which overflows float32 for any ``eps`` below 1e-25 when the mean square
+    is that small: a tensor whose gradient is zero (a dead unit, a flat
+    stretch of the loss) then gives a NaN meta-gradient. The JVP below is the
+    same derivative written as ``r * (dx - y * mean(y * dx))`` with ``y`` the
+    result and ``r`` the ``rsqrt`` factor, none of which overflows.
+    """
     return x * jax.lax.rsqrt(eps + jnp.mean(jnp.square(x), axis=axes, keepdims=True))
+
+
+@second_moment_normalize.defjvp
+def _second_moment_normalize_jvp(axes, eps, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    r = jax.lax.rsqrt(eps + jnp.mean(jnp.square(x), axis=axes, keepdims=True))
+    y = x * r
+    return y, r * (dx - y * jnp.mean(y * dx, axis=axes, keepdims=True))
+
+
+def safe_sqrt(x: jax.Array) -> jax.Array:
+    """``sqrt(x)`` with a zero derivative at 0 instead of an infinite one (then NaN meta-gradients)."""
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1.0)), 0.0)
 
 
 def per_parameter_features(
@@ -273,7 +300,7 @@ def per_parameter_features(
     m = m.reshape(size, -1).T
     inv_rms = jax.lax.rsqrt(v + epsilon)
     features = jnp.concatenate([p, g, m, v, m * inv_rms, inv_rms], axis=0)
-    return _second_moment_normalize(features, (1,), normalize_epsilon)
+    return second_moment_normalize(features, (1,), normalize_epsilon)
 
 
 def per_parameter_mlp_init(

@@ -48,6 +48,8 @@ from popmeta.core.learned_optimizers.features import (
     num_per_parameter_features,
     num_time_and_horizon_features,
     per_parameter_mlp_init,
+    safe_sqrt,
+    second_moment_normalize,
     start_fields,
     time_and_horizon_features,
     update_accumulators,
@@ -186,12 +188,13 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             p: jax.Array, a: jax.Array, correction: jax.Array, log_scale: jax.Array
         ) -> jax.Array:
             if lopt.correction_scale == "adam":
-                correction = correction * jnp.sqrt(jnp.mean(jnp.square(a)))
+                correction = correction * safe_sqrt(jnp.mean(jnp.square(a)))
             u = jnp.exp(_bounded(log_scale)) * (a + correction)
-            mean_square = jnp.mean(jnp.square(u))
             if lopt.step_rms == "at_most":
-                mean_square = jnp.maximum(mean_square, 1.0)
-            normalized = u * jax.lax.rsqrt(mean_square + _RMS_EPSILON)
+                mean_square = jnp.maximum(jnp.mean(jnp.square(u)), 1.0)
+                normalized = u * jax.lax.rsqrt(mean_square + _RMS_EPSILON)
+            else:
+                normalized = second_moment_normalize(u, tuple(range(u.ndim)), _RMS_EPSILON)
             if lopt.element_clip is not None:
                 normalized = jnp.clip(normalized, -lopt.element_clip, lopt.element_clip)
             if lopt.weight_decay:
