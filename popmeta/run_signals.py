@@ -35,8 +35,8 @@ def _note(text: str) -> None:
 class StopSignals:
     """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session), by phase of the run.
 
-    ``starting``: the start is abandoned at once (``KeyboardInterrupt``), as
-    nothing is trained yet. ``training``: the loop stops after the current
+    ``starting`` (until the run's config is written): the start is abandoned
+    at once (``KeyboardInterrupt``), as nothing is trained yet. ``training``: the loop stops after the current
     step (a flag read between steps cannot be lost in the middle of a blocking
     Ray or XLA call), and the run ends with a checkpoint of that step; a
     second SIGINT stops at once. ``closing`` (the checkpoint is written): the
