@@ -36,10 +36,10 @@ class StopSignals:
     """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session), by phase of the run.
 
     ``starting`` (until the run's config is written): the start is abandoned
-    at once (``KeyboardInterrupt``), as nothing is trained yet. ``training``: the loop stops after the current
-    step (a flag read between steps cannot be lost in the middle of a blocking
-    Ray or XLA call), and the run ends with a checkpoint of that step; a
-    second SIGINT stops at once. ``closing`` (the checkpoint is written): the
+    at once (``KeyboardInterrupt``), as nothing is trained yet. ``training``:
+    the loop stops after the current step (a flag read between steps cannot
+    be lost in the middle of a blocking Ray or XLA call), and the run ends
+    with a checkpoint of that step; a second SIGINT stops at once. ``closing`` (the checkpoint is written): the
     first signal only says so, the next stops at once. SIGHUP is left alone
     where it is ignored (``nohup``). Python runs signal handlers in the main
     thread only, so elsewhere (a run started from a worker thread) the process

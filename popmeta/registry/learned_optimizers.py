@@ -131,7 +131,7 @@ def normalized_mlp(
         the RMS of Adam's direction over the tensor (adam), so it shrinks as Adam's steps do.
     run_length_feature: whether the MLPs also read log10(num_steps) - 2: how long the run is.
     element_clip: the most one parameter's step (before the decay) may be, in step sizes; none
-        by default. Above 3.2 it leaves Adam's own direction alone.
+        by default. Above 7.27 it never clips Adam's own direction under step_rms: at_most.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(

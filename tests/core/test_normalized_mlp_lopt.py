@@ -136,8 +136,9 @@ def test_element_clip_bounds_one_parameters_step_and_leaves_adams_own_alone():
     np.testing.assert_allclose(steps[None], 0.01 * 8.0, rtol=1e-5)
     np.testing.assert_allclose(steps[3.0], 0.01 * 3.0, rtol=1e-5)
 
-    # Adam's direction is at most (1 - 0.9) / sqrt(1 - 0.999) = 3.16 per element, reached by
-    # a gradient that comes after a long silence: a bound above it changes nothing untrained.
+    # A lone gradient after a long silence takes one element of Adam's direction towards
+    # (1 - 0.9) / sqrt(1 - 0.999) = 3.16 (Adam's bound for gradients that grow step after step
+    # is 7.27): a bound above the step it takes here changes nothing of the untrained rule.
     flipping = jnp.where(jnp.arange(64).reshape(8, 8) % 2 == 0, 0.01, -0.01).at[3, 4].set(0.0)
     last = {}
     for clip in (None, 3.2):

@@ -191,8 +191,7 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
                 correction = correction * safe_sqrt(jnp.mean(jnp.square(a)))
             u = jnp.exp(_bounded(log_scale)) * (a + correction)
             if lopt.step_rms == "at_most":
-                mean_square = jnp.maximum(jnp.mean(jnp.square(u)), 1.0)
-                normalized = u * jax.lax.rsqrt(mean_square + _RMS_EPSILON)
+                normalized = u * jax.lax.rsqrt(jnp.maximum(jnp.mean(jnp.square(u)), 1.0))
             else:
                 normalized = second_moment_normalize(u, tuple(range(u.ndim)), _RMS_EPSILON)
             if lopt.element_clip is not None:
@@ -290,10 +289,13 @@ class NormalizedMLPLOpt(LearnedOptimizer):
           element_clip: the largest step one parameter may take (before the
             decay), in step sizes; ``None``: no bound but the tensor's RMS,
             which lets one of ``n`` elements move ``sqrt(n)`` step sizes.
-            Adam's own direction never exceeds ``(1 - beta1) / sqrt(1 -
-            rms_decay)`` per element (3.16 with the defaults; Kingma & Ba,
-            2015, section 2.1), so a bound above that clips only the MLP's
-            correction.
+            One element of Adam's own direction is at most ``(1 - beta1) /
+            sqrt((1 - rms_decay) * (1 - beta1**2 / rms_decay))`` (7.27 with
+            the defaults, by Cauchy-Schwarz over the two EMAs; a gradient
+            growing by ``rms_decay / beta1`` a step approaches it, a lone
+            gradient after a long silence reaches 3.16), so with
+            ``step_rms="at_most"`` a bound above 7.27 leaves the untrained
+            rule's steps as they are.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
