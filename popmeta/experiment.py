@@ -35,6 +35,7 @@ from popmeta.core.mixture_truncated_step import MixtureTruncatedStep, apportion
 from popmeta.core.tasks import ParametricImageMLPFamily, RescaledFamily, ScaleRange, TaskFamily
 from popmeta.core.truncation import TruncationSchedule
 from popmeta.registry import KindError
+from popmeta.registry.outer_optimizers import outer_lr_decay
 
 __all__ = [
     "EstimatorSections",
@@ -171,7 +172,10 @@ def learner_start(config: Config) -> LearnerStart:
     return LearnerStart(
         theta=initial_theta(EstimatorSections.of(config)),
         rng=learner_keys(config.seed)[1],
-        outer_transforms=build_outer_optimizer(outer),
+        outer_transforms=[
+            *build_outer_optimizer(outer),
+            *outer_lr_decay(outer.lr_decay, config.train.num_steps, outer.lr_decay_to),
+        ],
         clip_grad_norm=outer.clip_grad_norm,
     )
 

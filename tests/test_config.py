@@ -220,6 +220,8 @@ def test_bad_literal_lists_choices():
         assert repr(choice) in message
     with pytest.raises(ConfigError, match=r"population\.mode: expected one of 'sync', 'async'"):
         config_from_dict({"population": {"mode": "on"}})
+    with pytest.raises(ConfigError, match=r"outer_optimizer\.lr_decay: expected one of 'constant'"):
+        load_config(None, ["outer_optimizer.lr_decay=step"])
 
 
 @pytest.mark.parametrize(
@@ -234,6 +236,7 @@ def test_bad_literal_lists_choices():
         ("learned_optimizer.hidden_size=0", "learned_optimizer.hidden_size: must be > 0"),
         ("outer_optimizer.learning_rate=0", "outer_optimizer.learning_rate: must be > 0"),
         ("outer_optimizer.weight_decay=-1", "outer_optimizer.weight_decay: must be >= 0"),
+        ("outer_optimizer.lr_decay_to=1.5", "outer_optimizer.lr_decay_to: must be in [0, 1]"),
         ("population.num_actors=0", "population.num_actors: must be > 0"),
         ("population.max_staleness=-1", "population.max_staleness: must be >= 0"),
         ("population.resources={TPU: -1}", "population.resources.TPU: must be >= 0"),

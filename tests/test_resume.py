@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from popmeta.actors.worker import EstimatorWorker, exported_state_template
@@ -254,6 +255,29 @@ def test_checkpoints_without_worker_states_still_resume(tmp_path, reference):
     assert final.metadata.step == NUM_STEPS
     # The workers started afresh, so theta went elsewhere: what the states are for.
     assert tree_bytes(final.learner.theta) != tree_bytes(reference.learner.theta)
+
+
+def test_a_run_with_a_decaying_meta_learning_rate_resumes_bitwise(tmp_path):
+    decaying = {"learning_rate": 0.01, "lr_decay": "cosine", "lr_decay_to": 0.1}
+    straight = _config(tmp_path, "straight", outer_optimizer=decaying)
+    _train(straight, _stopping(LocalPopulation, NUM_STEPS - 1))
+    stopped = _config(tmp_path, "stopped", outer_optimizer=decaying)
+    _train(stopped, _stopping(LocalPopulation, 2))
+    assert "resumed from" in _train(stopped, _stopping(LocalPopulation, NUM_STEPS - 1))
+    _assert_bitwise_equal(_final(stopped), _final(straight))
+    # The decay's update count is saved with the optimizer state, and it decayed theta's steps.
+    counts = [
+        int(leaf.count)
+        for leaf in jax.tree_util.tree_leaves(
+            _final(stopped).learner.opt_state,
+            is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState),
+        )
+        if isinstance(leaf, optax.ScaleByScheduleState)
+    ]
+    assert counts == [NUM_STEPS]
+    constant = _config(tmp_path, "constant", outer_optimizer={"learning_rate": 0.01})
+    _train(constant, _stopping(LocalPopulation, NUM_STEPS - 1))
+    assert tree_bytes(_final(constant).learner.theta) != tree_bytes(_final(straight).learner.theta)
 
 
 def test_a_take_over_with_another_estimator_starts_the_workers_afresh(tmp_path):

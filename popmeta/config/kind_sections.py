@@ -288,16 +288,27 @@ class OuterOptimizerConfig(KindSection):
       options: its fields (``learning_rate``, ...).
       clip_grad_norm: global-norm clip of each round's summed estimate, before
         the optimizer, or null.
+      lr_decay: the meta learning rate over the run: ``constant``, or
+        ``cosine`` / ``linear`` from the kind's ``learning_rate`` at the first
+        update down to ``lr_decay_to`` times it at update ``train.num_steps``,
+        so that the last updates average the estimates' noise rather than
+        follow it. Raising ``train.num_steps`` to train a run further
+        stretches the decay over the new count (the rate rises again).
+      lr_decay_to: the fraction of the learning rate left at the end, in [0, 1].
     """
 
     REGISTRY: ClassVar[Registry] = OUTER_OPTIMIZERS
     kind: str = "adam"
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     clip_grad_norm: float | None = 3.0
+    lr_decay: Literal["constant", "cosine", "linear"] = "constant"
+    lr_decay_to: float = 0.0
     resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def _own_problems(self) -> Iterator[Problem]:
         yield from positive(self, "clip_grad_norm")
+        if not 0.0 <= self.lr_decay_to <= 1.0:
+            yield "lr_decay_to", f"must be in [0, 1], got {self.lr_decay_to!r}"
 
 
 #: The sections that name a kind, by their key in the config.

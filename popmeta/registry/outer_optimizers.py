@@ -13,7 +13,7 @@ import optax
 
 from popmeta.registry.kinds import Fraction, NonNegativeFloat, PositiveFloat, Registry
 
-__all__ = ["OUTER_OPTIMIZERS"]
+__all__ = ["OUTER_LR_DECAYS", "OUTER_OPTIMIZERS", "outer_lr_decay"]
 
 OUTER_OPTIMIZERS: Registry[optax.GradientTransformation | list] = Registry(
     "outer_optimizer",
@@ -79,3 +79,43 @@ def sgdm(
     weight_decay: coupled L2 decay.
     """
     return [*_l2(weight_decay), optax.sgd(learning_rate, momentum=momentum)]
+
+
+#: The meta learning rate's schedules over a run, by name: the ``kind``'s learning rate times these.
+OUTER_LR_DECAYS = ("constant", "cosine", "linear")
+
+
+def outer_lr_decay(
+    kind: str, num_steps: int, final_fraction: float = 0.0
+) -> list[optax.GradientTransformation]:
+    """The transformation that decays the outer optimizer's steps over a run, if any.
+
+    Chained after the optimizer, it multiplies each step by a factor that
+    falls from 1 at the first update to ``final_fraction`` at update
+    ``num_steps`` (and stays there): for Adam and SGD, whose steps are
+    proportional to their learning rate, the same as decaying that rate. Its
+    update count is part of the optimizer state, so it survives a checkpoint.
+
+    Args:
+      kind: ``constant`` (no transformation), ``cosine`` or ``linear``.
+      num_steps: the updates over which it decays (a run's ``train.num_steps``).
+      final_fraction: the factor from update ``num_steps`` on, in [0, 1].
+
+    Returns:
+      ``[]`` for ``constant``, else the one ``optax.scale_by_schedule``.
+    """
+    if kind not in OUTER_LR_DECAYS:
+        raise ValueError(
+            f"outer learning-rate decay must be one of {OUTER_LR_DECAYS}, got {kind!r}"
+        )
+    if not 0.0 <= final_fraction <= 1.0:
+        raise ValueError(f"final_fraction must be in [0, 1], got {final_fraction!r}")
+    if num_steps <= 0:
+        raise ValueError(f"num_steps must be > 0, got {num_steps!r}")
+    if kind == "constant":
+        return []
+    if kind == "cosine":
+        schedule = optax.cosine_decay_schedule(1.0, num_steps, alpha=final_fraction)
+    else:
+        schedule = optax.linear_schedule(1.0, final_fraction, num_steps)
+    return [optax.scale_by_schedule(schedule)]

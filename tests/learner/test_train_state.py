@@ -18,6 +18,7 @@ from popmeta.learner.train_state import (
     build_apply_estimates_fn,
     make_outer_optimizer,
 )
+from popmeta.registry.outer_optimizers import outer_lr_decay
 
 
 def _linreg_loss(params, batch):
@@ -308,3 +309,39 @@ def test_sharded_step_on_forced_host_devices():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SHARDING_OK ('x',) 4" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("kind", "factor"),
+    [
+        ("cosine", lambda k, n, a: a + (1 - a) * 0.5 * (1 + np.cos(np.pi * min(k, n) / n))),
+        ("linear", lambda k, n, a: 1 - (1 - a) * min(k, n) / n),
+    ],
+)
+def test_an_outer_lr_decay_scales_each_adam_step_by_its_schedule(kind, factor):
+    num_steps, final = 6, 0.1
+    decayed = optax.chain(optax.adam(0.01), *outer_lr_decay(kind, num_steps, final))
+    plain = optax.adam(0.01)
+    params = {"w": jnp.ones(3)}
+    states = decayed.init(params), plain.init(params)
+    for k in range(num_steps + 3):
+        grad = {"w": jnp.array([1.0, -2.0, 0.5]) * (k + 1)}
+        (mine, decayed_state), (theirs, plain_state) = (
+            tx.update(grad, state) for tx, state in zip((decayed, plain), states, strict=True)
+        )
+        states = decayed_state, plain_state
+        np.testing.assert_allclose(
+            mine["w"], factor(k, num_steps, final) * theirs["w"], rtol=1e-6, atol=0
+        )
+    # From update num_steps on, the steps stay at final_fraction of Adam's.
+    np.testing.assert_allclose(mine["w"] / theirs["w"], final, rtol=1e-6)
+
+
+def test_a_constant_outer_lr_adds_nothing_and_bad_decays_are_refused():
+    assert outer_lr_decay("constant", 10) == []
+    with pytest.raises(ValueError, match=r"one of .*'cosine'"):
+        outer_lr_decay("exponential", 10)
+    with pytest.raises(ValueError, match=r"final_fraction must be in \[0, 1\]"):
+        outer_lr_decay("cosine", 10, 1.5)
+    with pytest.raises(ValueError, match="num_steps must be > 0"):
+        outer_lr_decay("linear", 0)
