@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,16 +61,38 @@ def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _start(cwd: Path, *args: str) -> subprocess.Popen:
+def _as_from_a_terminal() -> None:
+    # A suite run under `nohup` (or as a background job) passes SIGHUP (SIGINT)
+    # on ignored, and popmeta rightly leaves an ignored SIGHUP alone: the
+    # command under test starts as it would from a terminal.
+    for signum in (signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen]]:
+    """The commands a test starts, killed at its end if they still run (a failed test's too)."""
+    processes: list[subprocess.Popen] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _start(started: list[subprocess.Popen], cwd: Path, *args: str) -> subprocess.Popen:
     pipe = subprocess.PIPE
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [*POPMETA, *args],
         cwd=cwd,
         stdout=pipe,
         stderr=pipe,
         text=True,
         env=env_with_compilation_cache(),
+        preexec_fn=_as_from_a_terminal,
     )
+    started.append(process)
+    return process
 
 
 def _paragraph(stderr: str) -> str:
@@ -89,9 +112,9 @@ def _wait_for_steps(process: subprocess.Popen) -> None:
     raise AssertionError("no progress line within 120 s")
 
 
-def test_sighup_saves_a_checkpoint_and_exits_even_when_the_terminal_is_gone(tmp_path):
+def test_sighup_saves_a_checkpoint_and_exits_even_when_the_terminal_is_gone(tmp_path, started):
     args = ["train", "--set", "population.engine=local", "--set", "name=hup", *TINY]
-    process = _start(tmp_path, *args, "--set", "train.num_steps=1000000")
+    process = _start(started, tmp_path, *args, "--set", "train.num_steps=1000000")
     _wait_for_steps(process)
     # A closed ssh session: the terminal hangs up, and nothing reads the output any more.
     process.send_signal(signal.SIGHUP)
@@ -106,9 +129,9 @@ def test_sighup_saves_a_checkpoint_and_exits_even_when_the_terminal_is_gone(tmp_
     assert f"resumed from {Path('runs/hup/checkpoints') / saved.name}" in resumed.stdout
 
 
-def test_ctrl_c_while_starting_or_closing_is_one_paragraph_and_exit_130(tmp_path):
+def test_ctrl_c_while_starting_or_closing_is_one_paragraph_and_exit_130(tmp_path, started):
     # While the actors start: nothing of the start is kept.
-    starting = _start(tmp_path, "train", "--set", "name=starting", *TINY)
+    starting = _start(started, tmp_path, "train", "--set", "name=starting", *TINY)
     assert starting.stdout.readline().startswith("popmeta: training 'starting'")
     time.sleep(1.0)
     starting.send_signal(signal.SIGINT)
@@ -118,7 +141,7 @@ def test_ctrl_c_while_starting_or_closing_is_one_paragraph_and_exit_130(tmp_path
     assert not (tmp_path / "runs" / "starting").exists()
 
     # Ctrl-C, then Ctrl-C again and again while it saves and shuts Ray down.
-    closing = _start(tmp_path, "train", "--set", "name=closing", *TINY)
+    closing = _start(started, tmp_path, "train", "--set", "name=closing", *TINY)
     _wait_for_steps(closing)
     closing.send_signal(signal.SIGINT)
     while closing.poll() is None:
