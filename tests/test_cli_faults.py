@@ -8,6 +8,7 @@ traceback, and each ends with the status docs/faults.md's table gives.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -61,12 +62,22 @@ def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _as_from_a_terminal() -> None:
-    # A suite run under `nohup` (or as a background job) passes SIGHUP (SIGINT)
-    # on ignored, and popmeta rightly leaves an ignored SIGHUP alone: the
-    # command under test starts as it would from a terminal.
-    for signum in (signal.SIGHUP, signal.SIGINT):
+@contextlib.contextmanager
+def _as_from_a_terminal() -> Iterator[None]:
+    """SIGHUP and SIGINT at their defaults for a command started inside, as from a terminal.
+
+    A suite run under `nohup` (or as a background job) has them ignored, which a
+    child inherits, and popmeta rightly leaves an ignored SIGHUP alone. Set here
+    rather than in a `preexec_fn`, which would fork the multithreaded JAX process.
+    """
+    ignored = [s for s in (signal.SIGHUP, signal.SIGINT) if signal.getsignal(s) == signal.SIG_IGN]
+    for signum in ignored:
         signal.signal(signum, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for signum in ignored:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 @pytest.fixture
@@ -82,15 +93,15 @@ def started() -> Iterator[list[subprocess.Popen]]:
 
 def _start(started: list[subprocess.Popen], cwd: Path, *args: str) -> subprocess.Popen:
     pipe = subprocess.PIPE
-    process = subprocess.Popen(
-        [*POPMETA, *args],
-        cwd=cwd,
-        stdout=pipe,
-        stderr=pipe,
-        text=True,
-        env=env_with_compilation_cache(),
-        preexec_fn=_as_from_a_terminal,
-    )
+    with _as_from_a_terminal():
+        process = subprocess.Popen(
+            [*POPMETA, *args],
+            cwd=cwd,
+            stdout=pipe,
+            stderr=pipe,
+            text=True,
+            env=env_with_compilation_cache(),
+        )
     started.append(process)
     return process
 
