@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import shutil
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,3 +129,36 @@ def test_every_relative_link_points_at_a_file_and_heading_that_exist(page):
 
 def test_the_readme_stays_short():
     assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def test_the_step_scale_probe_scales_only_beyond_the_trained_horizon(tmp_path, monkeypatch, capsys):
+    from popmeta.evaluate import settings_of
+    from popmeta.evaluate.runs import learned_optimizer_run
+    from popmeta.evaluate.statistics import scores_of
+    from popmeta.run_loop import train
+    from tests.local_run import local_config
+
+    monkeypatch.setenv("POPMETA_CACHE_DIR", str(tmp_path / "cache"))
+    lopt = {"kind": "normalized_mlp", "initial_lr": 0.05, "hidden_size": 4}
+    evaluation = {"num_tasks": 2, "tuning_tasks": 2, "num_steps": 5, "long_horizon_factors": [2]}
+    config = local_config(tmp_path, learned_optimizer=lopt, eval=evaluation)
+    train(config)
+    checkpoint = tmp_path / "ident" / "checkpoints" / "ckpt_00000004.npz"
+
+    capsys.readouterr()
+    probe = _script("docs/results/probe_step_scale.py")
+    settings = ["--settings", "trained horizon", "2x horizon"]
+    probe.main([str(checkpoint), *settings, "--alphas", "0", "1", "--tasks", "3"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    trained, longer = ([cell.strip(" |") for cell in row] for row in rows)
+    # At the trained horizon (T / T0 = 1) no alpha changes a step; at twice it, alpha 1 halves them.
+    assert trained[3] == trained[4] and longer[3] != longer[4]
+
+    # The probe runs on the tuning seed (eval.seed + 1), not on the test tasks.
+    config, theta = probe.load_theta(checkpoint)
+    on_tuning_seed = dataclasses.replace(
+        config, eval=dataclasses.replace(config.eval, seed=config.eval.seed + 1, num_tasks=3)
+    )
+    scores = scores_of(learned_optimizer_run(on_tuning_seed, settings_of(config)[1])(theta))
+    expected = f"{np.mean(scores.mean_train_loss):.4f} / {np.mean(scores.final_test_loss):.4f}"
+    assert longer[3] == expected

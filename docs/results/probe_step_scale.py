@@ -1,0 +1,96 @@
+"""Probes a trained learned optimizer at long horizons with its step size scaled down.
+
+For each chosen evaluation setting of a checkpoint's config, runs the
+learned optimizer with its step size multiplied by ``(T / T0) ** -alpha``
+(``T`` the setting's steps, ``T0`` the trained horizon) for each ``alpha``,
+beside tuned Adam and Adam + cosine at the learning rates ``popmeta eval``
+chose for them (read from the baseline cache, tuned there if absent). It
+runs on the baselines' *tuning* tasks' seed (``eval.seed + 1``), never on the
+test tasks, so a scale chosen from its table is not chosen on the tasks that
+judge it. Prints one markdown row per setting: mean training loss / mean
+final test loss of each.
+
+    python docs/results/probe_step_scale.py runs/generalist/checkpoints/ckpt_00006000.npz \\
+        --settings "conv_digits: 10x horizon" --alphas 0 0.15 0.3 0.45
+
+What it measured: docs/generalist.md, "The long-horizon misses are the step size".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import numpy as np
+
+from popmeta.core.evaluation import training_curves
+from popmeta.evaluate.baselines import BASELINES, BaselineCache
+from popmeta.evaluate.checkpoints import load_theta
+from popmeta.evaluate.runs import learned_optimizer_run, settings_of, trained_horizon
+from popmeta.evaluate.statistics import scores_of
+from popmeta.experiment import build_task_family
+
+COMPARED_BASELINES = ("adam", "adam_cosine")
+
+
+def _losses(curves) -> str:
+    scores = scores_of(curves)
+    return f"{np.mean(scores.mean_train_loss):.4f} / {np.mean(scores.final_test_loss):.4f}"
+
+
+def _curves(family, optimizer, key, num_tasks: int, num_steps: int):
+    return jax.jit(lambda: training_curves(family, optimizer, key, num_tasks, num_steps))()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--settings", nargs="+", required=True, help="setting names, as eval's")
+    parser.add_argument("--alphas", nargs="+", type=float, default=[0.0, 0.15, 0.3, 0.45])
+    parser.add_argument("--tasks", type=int, default=16, help="tuning-seed tasks per setting")
+    args = parser.parse_args(argv)
+
+    config, theta = load_theta(args.checkpoint)
+    if not (isinstance(theta, dict) and "log_lr" in theta):
+        parser.error(f"{args.checkpoint}: its learned optimizer has no log_lr step size to scale")
+    settings = {s.name: s for s in settings_of(config)}
+    unknown = [name for name in args.settings if name not in settings]
+    if unknown:
+        parser.error(f"--settings: no setting {unknown}; the config's are {sorted(settings)}")
+    ev = config.eval
+    probe = dataclasses.replace(
+        config, eval=dataclasses.replace(ev, seed=ev.seed + 1, num_tasks=args.tasks)
+    )
+    horizon, cache = trained_horizon(config), BaselineCache()
+
+    columns = [*COMPARED_BASELINES, *(f"learned, alpha {a:g}" for a in args.alphas)]
+    print("| setting | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name in args.settings:
+        setting = settings[name]
+        family = build_task_family(setting.task)
+        key, steps = jax.random.key(probe.eval.seed), setting.num_steps
+        cells = []
+        for baseline in COMPARED_BASELINES:
+            lr = cache.tuned(
+                family,
+                setting.task,
+                baseline,
+                ev.num_tasks,
+                steps,
+                ev.seed,
+                ev.tuning,
+                ev.tuning_tasks,
+            ).learning_rate
+            optimizer = BASELINES[baseline](lr, steps)
+            cells.append(_losses(_curves(family, optimizer, key, args.tasks, steps)))
+        run_learned = learned_optimizer_run(probe, setting)
+        for alpha in args.alphas:
+            scaled = dict(theta, log_lr=theta["log_lr"] - alpha * np.log(steps / horizon))
+            cells.append(_losses(run_learned(scaled)))
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
