@@ -131,7 +131,9 @@ def test_the_readme_stays_short():
     assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
 
 
-def test_the_step_scale_probe_scales_only_beyond_the_trained_horizon(tmp_path, monkeypatch, capsys):
+def test_the_step_scale_probe_leaves_the_trained_horizon_alone_and_scales_longer_runs(
+    tmp_path, monkeypatch, capsys
+):
     from popmeta.evaluate import settings_of
     from popmeta.evaluate.runs import learned_optimizer_run
     from popmeta.evaluate.statistics import scores_of
