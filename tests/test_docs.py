@@ -150,11 +150,13 @@ def test_the_step_scale_probe_leaves_the_trained_horizon_alone_and_scales_longer
     capsys.readouterr()
     probe = _script("docs/results/probe_step_scale.py")
     settings = ["--settings", "trained horizon", "2x horizon"]
-    probe.main([str(checkpoint), *settings, "--alphas", "0", "1", "--tasks", "3"])
+    guards = ["--loss-guards", "1e9"]  # a brake no loss climbs far enough to pull
+    probe.main([str(checkpoint), *settings, "--alphas", "0", "1", *guards, "--tasks", "3"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
     trained, longer = ([cell.strip(" |") for cell in row] for row in rows)
     # At the trained horizon (T / T0 = 1) no alpha changes a step; at twice it, alpha 1 halves them.
     assert trained[3] == trained[4] and longer[3] != longer[4]
+    assert longer[5] == longer[3]  # the guarded column runs the same rule on the same tasks
 
     # The probe runs on the tuning seed (eval.seed + 1), not on the test tasks.
     config, theta = probe.load_theta(checkpoint)

@@ -3,7 +3,8 @@
 For each chosen evaluation setting of a checkpoint's config, runs the
 learned optimizer with its step size multiplied by ``(T / T0) ** -alpha``
 (``T`` the setting's steps, ``T0`` the trained horizon) for each ``alpha``,
-beside tuned Adam and Adam + cosine at the learning rates ``popmeta eval``
+and as trained with ``learned_optimizer.loss_guard`` set to each
+``--loss-guards`` value (a brake that needs no meta-training), beside tuned Adam and Adam + cosine at the learning rates ``popmeta eval``
 chose for them (read from the baseline cache, tuned there if absent). It
 runs on the baselines' *tuning* tasks' seed (``eval.seed + 1``), never on the
 test tasks, so a scale chosen from its table is not chosen on the tasks that
@@ -11,9 +12,10 @@ judge it. Prints one markdown row per setting: mean training loss / mean
 final test loss of each.
 
     python docs/results/probe_step_scale.py runs/generalist/checkpoints/ckpt_00006000.npz \\
-        --settings "conv_digits: 10x horizon" --alphas 0 0.15 0.3 0.45
+        --settings "conv_digits: 10x horizon" --alphas 0 0.15 0.3 0.45 --loss-guards 0.01
 
-What it measured: docs/generalist.md, "The long-horizon misses are the step size".
+What it measured: docs/generalist.md, "The long-horizon misses are the step size"
+and "A brake on a climbing loss: `loss_guard`".
 """
 
 from __future__ import annotations
@@ -43,11 +45,20 @@ def _curves(family, optimizer, key, num_tasks: int, num_steps: int):
     return jax.jit(lambda: training_curves(family, optimizer, key, num_tasks, num_steps))()
 
 
+def _with_loss_guard(config, guard: float):
+    section = config.learned_optimizer
+    options = {**section.options, "loss_guard": guard}
+    return dataclasses.replace(
+        config, learned_optimizer=dataclasses.replace(section, options=options)
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
     parser.add_argument("--settings", nargs="+", required=True, help="setting names, as eval's")
     parser.add_argument("--alphas", nargs="+", type=float, default=[0.0, 0.15, 0.3, 0.45])
+    parser.add_argument("--loss-guards", nargs="*", type=float, default=[])
     parser.add_argument("--tasks", type=int, default=16, help="tuning-seed tasks per setting")
     args = parser.parse_args(argv)
 
@@ -64,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     horizon, cache = trained_horizon(config), BaselineCache()
 
-    columns = [*COMPARED_BASELINES, *(f"learned, alpha {a:g}" for a in args.alphas)]
+    columns = [
+        *COMPARED_BASELINES,
+        *(f"learned, alpha {a:g}" for a in args.alphas),
+        *(f"learned, guard {g:g}" for g in args.loss_guards),
+    ]
     print("| setting | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name in args.settings:
@@ -89,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         for alpha in args.alphas:
             scaled = dict(theta, log_lr=theta["log_lr"] - alpha * np.log(steps / horizon))
             cells.append(_losses(run_learned(scaled)))
+        for guard in args.loss_guards:
+            cells.append(
+                _losses(learned_optimizer_run(_with_loss_guard(probe, guard), setting)(theta))
+            )
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 

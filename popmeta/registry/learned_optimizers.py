@@ -116,6 +116,7 @@ def normalized_mlp(
     correction_scale: Literal["unit", "adam"] = "unit",
     run_length_feature: bool = False,
     element_clip: PositiveFloat | None = None,
+    loss_guard: PositiveFloat | None = None,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -132,6 +133,8 @@ def normalized_mlp(
     run_length_feature: whether the MLPs also read log10(num_steps) - 2: how long the run is.
     element_clip: the most one parameter's step (before the decay) may be, in step sizes; none
         by default. Above 7.27 it never clips Adam's own direction under step_rms: at_most.
+    loss_guard: a brake g on long runs: every later step is at most g / c of the rule's, c the
+        largest climb of the loss EMA above its lowest so far, in first losses; none by default.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -145,5 +148,6 @@ def normalized_mlp(
         correction_scale=correction_scale,
         run_length_feature=run_length_feature,
         element_clip=element_clip,
+        loss_guard=loss_guard,
         mlp_dtype=mlp_dtype,
     )

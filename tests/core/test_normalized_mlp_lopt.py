@@ -155,6 +155,49 @@ def test_element_clip_bounds_one_parameters_step_and_leaves_adams_own_alone():
         NormalizedMLPLOpt(element_clip=0.0)
 
 
+def test_loss_guard_brakes_every_later_step_by_the_largest_climb_and_never_releases():
+    """guard = min over the run of min(1, g / c), c the loss EMA's climb above its lowest, in first losses."""
+    losses = [2.0] + [0.2] * 30 + [1.0] * 10 + [0.2] * 10  # falls, climbs, falls again
+    ema, lowest, expected = losses[0], losses[0], []
+    guard = 1.0
+    for i, loss in enumerate(losses):
+        ema = ema if i == 0 else 0.9 * ema + 0.1 * loss  # the state's EMA, this step's loss in it
+        lowest = min(lowest, ema)
+        guard = min(guard, 1.0, 0.05 / max((ema - lowest) / losses[0], 1e-12))
+        expected.append(guard)
+    assert expected[30] == 1.0 and expected[40] < 0.5 and expected[-1] == expected[40]
+
+    plain, guarded = (
+        NormalizedMLPLOpt(initial_lr=0.02),
+        NormalizedMLPLOpt(initial_lr=0.02, loss_guard=0.05),
+    )
+    theta = _random_theta(plain, 1.0)
+    opts = {"plain": plain.opt_fn(theta), "guarded": guarded.opt_fn(theta)}
+    steps = {name: jax.jit(opt.step) for name, opt in opts.items()}
+    state = opts["plain"].init(PARAMS, num_steps=len(losses))
+    guarded_state = opts["guarded"].init(PARAMS, num_steps=len(losses))
+    for i, loss in enumerate(losses):
+        # Both step from the same parameters and accumulators: only the step size may differ.
+        grad, before = _grad(state.params, i), state
+        plain_updates, state = steps["plain"](before, grad, loss=jnp.float32(loss))
+        braked = before._replace(
+            guard=guarded_state.guard, lowest_loss_ema=guarded_state.lowest_loss_ema
+        )
+        guarded_updates, guarded_state = steps["guarded"](braked, grad, loss=jnp.float32(loss))
+        np.testing.assert_allclose(float(guarded_state.guard), expected[i], rtol=1e-5)
+        for name in PARAMS:
+            np.testing.assert_allclose(
+                guarded_updates[name], expected[i] * plain_updates[name], rtol=1e-5, atol=1e-9
+            )
+    # Without a guard the state holds nothing of it: checkpointed worker states keep their layout.
+    assert state.guard is None and state.lowest_loss_ema is None
+
+    lossless = NormalizedMLPLOpt(loss_features=False, loss_guard=0.05)
+    assert lossless.uses_loss and lossless.num_features == plain.num_features - 2
+    with pytest.raises(ValueError, match="loss_guard"):
+        NormalizedMLPLOpt(loss_guard=0.0)
+
+
 def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
     """``p <- p - lr * (n + wd * p)``, as AdamW: the plain rule's step minus ``lr * wd * p``."""
     decayed, plain = (

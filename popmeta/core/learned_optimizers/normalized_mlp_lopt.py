@@ -11,6 +11,7 @@ distribution:
                                                           (step_rms="at_most": u / max(rms(u), 1))
                                                           (element_clip=c: then clip(n, -c, c))
     lr      = exp(log_lr + bound(schedule(global features))) * external(f)
+                                                          (loss_guard=g: times guard, below)
     p      <- p - lr * n
 
 Every tensor moves by exactly ``lr`` in root mean square (at most ``lr`` with
@@ -21,7 +22,12 @@ explode. Untrained, it is Adam with its update RMS-normalized per tensor
 Adam's own step per tensor, so the learned part of a step shrinks as Adam's
 does once the gradient's sign is noise. The RMS bounds a tensor's step, not
 one parameter's: one of ``n`` elements may take up to ``sqrt(n)`` step sizes;
-``element_clip`` bounds that too. Its features, and why: docs/generalist.md.
+``element_clip`` bounds that too. ``loss_guard`` is a hand-designed brake
+on the step size for runs longer than meta-training's: with ``c`` the loss
+EMA's climb above its lowest value so far, in units of the first loss,
+``guard = min over the run so far of min(1, g / c)``, so a climb of ``2 g``
+halves every later step (one that never climbs by ``g`` is untouched). Its
+features, and why: docs/generalist.md.
 """
 
 from __future__ import annotations
@@ -102,6 +108,9 @@ class NormalizedMLPLOptState(NamedTuple):
       num_steps: Planned length of the inner run (float32 scalar).
       initial_loss: The loss at the first step (float32; 0 before it).
       loss_ema: EMA of the loss (float32; the first loss before the second step).
+      lowest_loss_ema: The lowest ``loss_ema`` so far (float32; None without ``loss_guard``).
+      guard: The ``loss_guard``'s factor on the step size (float32; None without it, so that
+        the state, and the worker states in checkpoints, stay as they were without it).
     """
 
     params: Params
@@ -111,6 +120,8 @@ class NormalizedMLPLOptState(NamedTuple):
     num_steps: jax.Array
     initial_loss: jax.Array
     loss_ema: jax.Array
+    lowest_loss_ema: jax.Array | None
+    guard: jax.Array | None
 
     replace = tree_utils.replace
 
@@ -123,11 +134,14 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
     ) -> NormalizedMLPLOptState:
         del key
         zero = jnp.asarray(0.0, jnp.float32)
+        guarded = self._lopt.loss_guard is not None
         return NormalizedMLPLOptState(
             **start_fields(params, len(self._lopt.decays)),
             num_steps=checked_num_steps(self._lopt.name, num_steps),
             initial_loss=zero,
             loss_ema=zero,
+            lowest_loss_ema=zero if guarded else None,
+            guard=jnp.asarray(1.0, jnp.float32) if guarded else None,
         )
 
     def _loss_features(
@@ -160,9 +174,13 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             iteration, state.num_steps, lopt.timescales, lopt.horizon_centers
         )
         initial_loss, loss_ema = state.initial_loss, state.loss_ema
-        if lopt.loss_features:
+        lowest_loss_ema, guard = state.lowest_loss_ema, state.guard
+        if lopt.uses_loss:
             loss_features, initial_loss, loss_ema = self._loss_features(state, loss)
-            shared = jnp.concatenate([shared, loss_features])
+            if lopt.loss_features:
+                shared = jnp.concatenate([shared, loss_features])
+        if lopt.loss_guard is not None:
+            lowest_loss_ema, guard = _guarded(state, initial_loss, loss_ema, lopt.loss_guard)
         if lopt.run_length_feature:
             shared = jnp.concatenate([shared, (jnp.log10(state.num_steps) - 2.0)[None]])
 
@@ -171,6 +189,8 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
         lr = jnp.exp(theta["log_lr"] + _bounded(schedule)) * EXTERNAL_SCHEDULES[
             lopt.external_schedule
         ](fraction)
+        if guard is not None:
+            lr = lr * guard
 
         directions, corrections, log_scales = adam_and_mlp(
             lopt,
@@ -205,8 +225,26 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             **advanced_fields(state, updates, momentums, rms),
             initial_loss=initial_loss,
             loss_ema=loss_ema,
+            lowest_loss_ema=lowest_loss_ema,
+            guard=guard,
         )
         return updates, following
+
+
+def _guarded(
+    state: NormalizedMLPLOptState, initial_loss: jax.Array, loss_ema: jax.Array, threshold: float
+) -> tuple[jax.Array, jax.Array]:
+    """The next ``lowest_loss_ema`` and ``guard``: the step shrinks as the loss EMA climbs.
+
+    The climb is measured in units of the first loss so that the noise of a
+    loss near zero (a ratio to the lowest EMA would be huge) does not brake
+    the step. The guard only ever falls: a rule whose loss climbed once at
+    this step size keeps the smaller step for the rest of the run.
+    """
+    lowest = jnp.where(state.iteration == 0, loss_ema, jnp.minimum(state.lowest_loss_ema, loss_ema))
+    climb = _finite_or_zero((loss_ema - lowest) / (jnp.abs(initial_loss) + 1e-12))
+    allowed = jnp.minimum(1.0, threshold / jnp.maximum(climb, 1e-12))
+    return lowest, jnp.minimum(state.guard, allowed)
 
 
 def _schedule_mlp(theta: Params, x: jax.Array) -> jax.Array:
@@ -243,6 +281,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         correction_scale: str = "unit",
         run_length_feature: bool = False,
         element_clip: float | None = None,
+        loss_guard: float | None = None,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -296,6 +335,10 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             gradient after a long silence reaches 3.16), so with
             ``step_rms="at_most"`` a bound above 7.27 leaves the untrained
             rule's steps as they are.
+          loss_guard: ``g``: every later step is at most ``g / c`` of the
+            rule's own, ``c`` the largest climb of the loss EMA above its
+            lowest value so far, in units of the first loss (the module
+            docstring); ``None``: no brake. Hand-designed, not meta-trained.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -309,6 +352,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             raise ValueError(f"correction_scale must be 'unit' or 'adam', got {correction_scale!r}")
         if element_clip is not None and not element_clip > 0:
             raise ValueError(f"element_clip must be > 0 or None, got {element_clip!r}")
+        if loss_guard is not None and not loss_guard > 0:
+            raise ValueError(f"loss_guard must be > 0 or None, got {loss_guard!r}")
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
@@ -328,6 +373,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.correction_scale = correction_scale
         self.run_length_feature = bool(run_length_feature)
         self.element_clip = None if element_clip is None else float(element_clip)
+        self.loss_guard = None if loss_guard is None else float(loss_guard)
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
@@ -336,8 +382,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
 
     @property
     def uses_loss(self) -> bool:
-        """Whether its optimizer needs the loss every step (it does with ``loss_features``)."""
-        return self.loss_features
+        """Whether its optimizer needs the loss every step (with ``loss_features`` or ``loss_guard``)."""
+        return self.loss_features or self.loss_guard is not None
 
     @property
     def num_global_features(self) -> int:
