@@ -110,8 +110,10 @@ def _parser() -> argparse.ArgumentParser:
         dest="overrides",
         action="append",
         default=[],
-        metavar="eval.KEY=VALUE",
-        help="change an eval field of the checkpoint's config, e.g. eval.num_tasks=64",
+        metavar="KEY=VALUE",
+        help="change an eval field of the checkpoint's config, e.g. eval.num_tasks=64, or "
+        "an option of its learned optimizer that no meta-parameter stands for, e.g. "
+        "learned_optimizer.loss_guard=0.01 (written to --out, not RUN/eval)",
     )
     evaluate.add_argument(
         "--fresh-baselines",
@@ -216,12 +218,20 @@ def _eval(checkpoint: str, out: str | None, overrides: list[str], fresh: bool) -
     from popmeta.evaluate import BaselineCache, EvalWriteError, evaluate_checkpoint, format_reports
 
     for override in overrides:
-        if not override.startswith("eval."):
+        if not override.startswith(("eval.", "learned_optimizer.")):
             return _fail(
-                f"eval --set {override}: only eval.* fields can change; the rest "
-                "of the config is the checkpoint's own",
+                f"eval --set {override}: only eval.* fields and learned-optimizer options "
+                "that leave theta's shape as trained can change; the rest of the config is "
+                "the checkpoint's own",
                 EX_USAGE,
             )
+
+    if out is None and any(o.startswith("learned_optimizer.") for o in overrides):
+        return _fail(
+            "eval --set learned_optimizer.*: give --out too, so that the evaluation of the "
+            "rule as trained in RUN/eval is not overwritten by a changed one",
+            EX_USAGE,
+        )
 
     def with_overrides(config):
         return config_from_dict(config_to_dict(config), "the checkpoint's config", overrides)

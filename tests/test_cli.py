@@ -210,7 +210,14 @@ def test_eval_compares_the_checkpoint_with_tuned_baselines(trained):
 def test_eval_refuses_to_change_what_was_trained(trained, capsys):
     newest = list_checkpoints(trained[0] / "runs" / "cli" / "checkpoints")[-1]
     assert main(["eval", str(newest), "--set", "task.dim=3"]) == 2
-    assert "only eval.* fields can change" in capsys.readouterr().err
+    assert "only eval.* fields and learned-optimizer options" in capsys.readouterr().err
+    reshaped = ["--set", "learned_optimizer.hidden_size=7"]
+    assert main(["eval", str(newest), *reshaped]) == 2
+    assert "give --out too" in capsys.readouterr().err
+    assert main(["eval", str(newest), *reshaped, "--out", str(trained[0] / "changed")]) == 2
+    refused = capsys.readouterr().err
+    assert "learned_optimizer.hidden_size=7 gives the learned optimizer meta-parameters" in refused
+    assert not (trained[0] / "changed").exists()
 
 
 def _endless_run(tmp_path, name: str) -> subprocess.Popen:

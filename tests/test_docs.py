@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import re
 import shutil
 from pathlib import Path
@@ -166,3 +167,17 @@ def test_the_step_scale_probe_leaves_the_trained_horizon_alone_and_scales_longer
     scores = scores_of(learned_optimizer_run(on_tuning_seed, settings_of(config)[1])(theta))
     expected = f"{np.mean(scores.mean_train_loss):.4f} / {np.mean(scores.final_test_loss):.4f}"
     assert longer[3] == expected
+
+
+def test_the_compact_table_shows_the_summary_where_the_result_has_one(tmp_path):
+    readme_table = _script("docs/results/readme_table.py")
+    name = "generalist-relative-0a2639c"
+    shutil.copy(REPO / "docs" / "results" / f"{name}.csv", tmp_path / f"{name}.csv")
+    about = {"commit": "x", "commands": [], "note": "The long note."}
+    (tmp_path / f"{name}.json").write_text(json.dumps(about))
+    assert "The long note." in readme_table.render_block(f"{name}.csv", root=tmp_path)
+    (tmp_path / f"{name}.json").write_text(json.dumps({**about, "summary": "In short."}))
+    compact = readme_table.render_block(f"{name}.csv", root=tmp_path)
+    full = readme_table.render_block(f"{name}.csv", root=tmp_path, kind="results-table-full")
+    assert "In short." in compact and "The long note." not in compact
+    assert "The long note." in full and "In short." not in full

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import threading
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,7 +14,7 @@ import optax
 import pytest
 from scipy import stats
 
-from popmeta.config import ConfigError, config_from_dict
+from popmeta.config import ConfigError, config_from_dict, config_to_dict, load_config
 from popmeta.core.evaluation import training_curves
 from popmeta.core.learned_optimizers import as_optax
 from popmeta.core.optimizers import OptaxOptimizer
@@ -33,6 +34,7 @@ from popmeta.evaluate import (
     tune_baseline,
     write_reports,
 )
+from popmeta.evaluate.checkpoints import checked_rule_changes
 from popmeta.evaluate.runs import learned_optimizer_run
 from popmeta.experiment import (
     EstimatorSections,
@@ -366,3 +368,21 @@ def test_the_optax_cosine_setting_runs_the_exported_optimizer_under_cosine_decay
     got = learned_optimizer_run(config, composed)(theta)
     np.testing.assert_allclose(got.train_loss, expected.train_loss, rtol=1e-6)
     assert not np.allclose(got.train_loss, learned_optimizer_run(config, plain)(theta).train_loss)
+
+
+def test_an_option_no_meta_parameter_stands_for_may_change_at_evaluation_and_no_other():
+    trained = load_config(Path(__file__).parents[1] / "configs" / "generalist.yaml")
+    theta = initial_theta(EstimatorSections.of(trained))
+
+    def changed(override: str):
+        return config_from_dict(config_to_dict(trained), "the checkpoint's config", [override])
+
+    braked = changed("learned_optimizer.loss_guard=0.01")
+    assert checked_rule_changes(trained, braked, theta, "ckpt.npz") == [
+        "learned_optimizer.loss_guard=0.01"
+    ]
+    assert checked_rule_changes(trained, changed("eval.num_tasks=4"), theta, "ckpt.npz") == []
+    with pytest.raises(
+        ValueError, match=r"ckpt.npz: learned_optimizer.hidden_size=8 .*other shapes"
+    ):
+        checked_rule_changes(trained, changed("learned_optimizer.hidden_size=8"), theta, "ckpt.npz")

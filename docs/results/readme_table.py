@@ -8,7 +8,8 @@ PATH.csv -->`` ... ``<!-- /results-table-full -->`` has every metric against
 every baseline. PATH.csv is a ``results.csv`` that ``popmeta eval`` wrote
 (its columns are ``popmeta.evaluate.report.CSV_COLUMNS``), kept under
 ``docs/results/``; beside it, PATH.json names the commit that measured it,
-the commands that produced it and a note on what it is (docs/results.md).
+the commands that produced it and a note on what it is (docs/results.md);
+the compact table shows its ``summary`` instead where it has one.
 
     python docs/results/readme_table.py           # rewrite the blocks of both files
     python docs/results/readme_table.py --check   # exit 1 if a block is stale
@@ -176,7 +177,7 @@ def render_block(
         f"<!-- {kind}: {csv_name} -->",
         "<!-- written by `python docs/results/readme_table.py` from the CSV and its .json: "
         "edit those and rerun it, not this block -->",
-        about["note"],
+        about["summary"] if kind == "results-table" and "summary" in about else about["note"],
         "",
         f"Measured at commit `{about['commit']}` ([the CSV]({link})):",
         "",

@@ -7,11 +7,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+import jax
+
 from popmeta.config import Config, config_from_dict
 from popmeta.evaluate.baselines import BaselineCache
 from popmeta.evaluate.report import EvalOutput, EvalWriteError, check_output_dir, write_reports
 from popmeta.evaluate.runs import SettingReport, evaluate
-from popmeta.experiment import learner_start
+from popmeta.experiment import build_learned_optimizer, learner_start
 from popmeta.learner.checkpoint_layout import load_run_checkpoint, read_run_metadata
 from popmeta.learner.learner import Learner
 from popmeta.storage import StorageError, join, local_file, parent
@@ -62,13 +64,58 @@ def evaluate_checkpoint(
     with local_file(checkpoint) as local_checkpoint:
         config, theta = load_theta(local_checkpoint)
         name = local_checkpoint.name
+    title = f"{config.name}: {name}"
     if config_changes is not None:
-        config = config_changes(config)
+        changed = config_changes(config)
+        rule_changes = checked_rule_changes(config, changed, theta, str(checkpoint))
+        config = changed
+        if rule_changes:
+            title += f" ({', '.join(rule_changes)})"
     out = out_dir if out_dir else join(parent(parent(checkpoint)), "eval")
     check_output_dir(out)
     cache = BaselineCache() if baseline_cache is None else baseline_cache
     reports = evaluate(config, theta, stream=stream, baseline_cache=cache)
     try:
-        return reports, write_reports(reports, out, f"{config.name}: {name}")
+        return reports, write_reports(reports, out, title)
     except (OSError, StorageError) as err:
         raise EvalWriteError(f"cannot write the evaluation's output to {out}: {err}") from None
+
+
+def checked_rule_changes(trained: Config, changed: Config, theta: Any, source: str) -> list[str]:
+    """The learned optimizer's options that ``changed`` sets otherwise, as ``field=value``.
+
+    A checkpoint's theta is meta-trained for its rule, but an option that no
+    meta-parameter stands for (``normalized_mlp``'s ``loss_guard``, a
+    hand-designed brake) may be evaluated with the same theta: what the rule
+    as trained does with it added. One that changes theta's shape, or another
+    kind, is refused.
+
+    Raises:
+      ValueError: ``changed`` has another learned-optimizer kind, or theta's
+        tree or shapes under it differ from the checkpoint's.
+    """
+    before, after = trained.learned_optimizer, changed.learned_optimizer
+    if after.kind != before.kind:
+        raise ValueError(
+            f"{source}: learned_optimizer.kind is {before.kind!r} in the checkpoint; "
+            f"its theta cannot run as {after.kind!r}"
+        )
+    rule_changes = [
+        f"learned_optimizer.{field}={after.options.get(field)!r}"
+        for field in sorted({*before.options, *after.options})
+        if after.options.get(field) != before.options.get(field)
+    ]
+    if rule_changes:
+        expected = jax.eval_shape(build_learned_optimizer(after).init, jax.random.key(0))
+        if _shapes(expected) != _shapes(theta):
+            raise ValueError(
+                f"{source}: {', '.join(rule_changes)} gives the learned optimizer meta-parameters "
+                "of other shapes than the checkpoint's theta; only options that leave theta "
+                "as it was trained can change at evaluation"
+            )
+    return rule_changes
+
+
+def _shapes(tree: Any) -> tuple[Any, list[tuple[tuple[int, ...], Any]]]:
+    leaves, structure = jax.tree.flatten(tree)
+    return structure, [(tuple(leaf.shape), leaf.dtype) for leaf in leaves]
