@@ -13,6 +13,7 @@ transformation (:func:`popmeta.core.learned_optimizers.as_optax`).
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,6 +24,7 @@ import optax
 from popmeta.config import ConfigError, LearnedOptimizerConfig, config_from_dict
 from popmeta.core.learned_optimizers import LearnedOptimizer, as_optax
 from popmeta.evaluate import load_theta
+from popmeta.evaluate.checkpoints import checked_rule_changes
 from popmeta.experiment import build_learned_optimizer
 from popmeta.learner.checkpoint_file import load_checkpoint, read_checkpoint_metadata, save_tree
 from popmeta.learner.checkpoint_layout import RunMetadata
@@ -151,7 +153,7 @@ def export_optimizer(checkpoint: str | Path, out: str | Path) -> Path:
 
 
 def load_optimizer(
-    path: str | Path, num_steps: int | None = None
+    path: str | Path, num_steps: int | None = None, changes: Mapping[str, Any] | None = None
 ) -> optax.GradientTransformationExtraArgs:
     """The trained learned optimizer in ``path`` as an optax transformation.
 
@@ -159,6 +161,10 @@ def load_optimizer(
       path: a file written by ``popmeta export``, or a training checkpoint.
       num_steps: the number of steps the training run will take; required
         for learned optimizers that read how far through the run they are.
+      changes: options of the learned optimizer to set otherwise than it
+        was trained with, where no meta-parameter stands for them (e.g.
+        ``{"loss_guard": 0.01}`` for ``normalized_mlp``); one that would
+        change theta's shapes is refused.
 
     Returns:
       A jittable transformation with a pytree state that follows
@@ -167,10 +173,17 @@ def load_optimizer(
       (see :func:`~popmeta.core.learned_optimizers.as_optax`).
 
     Raises:
-      FileNotFoundError, ValueError: as :func:`read_trained_optimizer`, and
-        a missing ``num_steps`` for an optimizer that needs it.
+      FileNotFoundError, ValueError: as :func:`read_trained_optimizer`, a
+        missing ``num_steps`` for an optimizer that needs it, and a change
+        that is no field of the kind or would change theta's shapes.
     """
     trained = read_trained_optimizer(path)
+    if changes:
+        fields = {"kind": trained.config.kind, **trained.config.options, **changes}
+        search_path = list(trained.source.get("module_dirs", []))
+        section = _section(fields, Path(path), search_path)
+        checked_rule_changes(trained.config, section, trained.theta, str(path))
+        trained = trained._replace(lopt=build_learned_optimizer(section), config=section)
     if trained.lopt.needs_num_steps and num_steps is None:
         raise ValueError(
             f"{path}: learned_optimizer.kind={trained.config.kind!r} reads how far through its "

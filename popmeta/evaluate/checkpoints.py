@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 import jax
 
-from popmeta.config import Config, config_from_dict
+from popmeta.config import Config, LearnedOptimizerConfig, config_from_dict
 from popmeta.evaluate.baselines import BaselineCache
 from popmeta.evaluate.report import EvalOutput, EvalWriteError, check_output_dir, write_reports
 from popmeta.evaluate.runs import SettingReport, evaluate
@@ -67,7 +67,9 @@ def evaluate_checkpoint(
     title = f"{config.name}: {name}"
     if config_changes is not None:
         changed = config_changes(config)
-        rule_changes = checked_rule_changes(config, changed, theta, str(checkpoint))
+        rule_changes = checked_rule_changes(
+            config.learned_optimizer, changed.learned_optimizer, theta, str(checkpoint)
+        )
         config = changed
         if rule_changes:
             title += f" ({', '.join(rule_changes)})"
@@ -81,20 +83,21 @@ def evaluate_checkpoint(
         raise EvalWriteError(f"cannot write the evaluation's output to {out}: {err}") from None
 
 
-def checked_rule_changes(trained: Config, changed: Config, theta: Any, source: str) -> list[str]:
-    """The learned optimizer's options that ``changed`` sets otherwise, as ``field=value``.
+def checked_rule_changes(
+    before: LearnedOptimizerConfig, after: LearnedOptimizerConfig, theta: Any, source: str
+) -> list[str]:
+    """The options that ``after`` sets otherwise than ``before``, as ``field=value``.
 
-    A checkpoint's theta is meta-trained for its rule, but an option that no
-    meta-parameter stands for (``normalized_mlp``'s ``loss_guard``, a
-    hand-designed brake) may be evaluated with the same theta: what the rule
-    as trained does with it added. One that changes theta's shape, or another
+    A checkpoint's theta is meta-trained for its rule (``before``), but an
+    option that no meta-parameter stands for (``normalized_mlp``'s
+    ``loss_guard``, a hand-designed brake) may change at use: what the rule
+    as trained does with it. One that changes theta's shape, or another
     kind, is refused.
 
     Raises:
-      ValueError: ``changed`` has another learned-optimizer kind, or theta's
-        tree or shapes under it differ from the checkpoint's.
+      ValueError: ``after`` has another kind, or theta's tree or shapes under
+        it differ from ``theta``'s.
     """
-    before, after = trained.learned_optimizer, changed.learned_optimizer
     if after.kind != before.kind:
         raise ValueError(
             f"{source}: learned_optimizer.kind is {before.kind!r} in the checkpoint; "
@@ -111,7 +114,7 @@ def checked_rule_changes(trained: Config, changed: Config, theta: Any, source: s
             raise ValueError(
                 f"{source}: {', '.join(rule_changes)} gives the learned optimizer meta-parameters "
                 "of other shapes than the checkpoint's theta; only options that leave theta "
-                "as it was trained can change at evaluation"
+                "as it was trained can change at use"
             )
     return rule_changes
 
