@@ -151,7 +151,7 @@ def test_the_step_scale_probe_leaves_the_trained_horizon_alone_and_scales_longer
     capsys.readouterr()
     probe = _script("docs/results/probe_step_scale.py")
     settings = ["--settings", "trained horizon", "2x horizon"]
-    guards = ["--loss-guards", "1e9"]  # a brake no loss climbs far enough to pull
+    guards = ["--options", "loss_guard=1e9"]  # a brake no loss climbs far enough to pull
     probe.main([str(checkpoint), *settings, "--alphas", "0", "1", *guards, "--tasks", "3"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
     trained, longer = ([cell.strip(" |") for cell in row] for row in rows)

@@ -3,16 +3,16 @@
 For each chosen evaluation setting of a checkpoint's config, runs the
 learned optimizer with its step size multiplied by ``(T / T0) ** -alpha``
 (``T`` the setting's steps, ``T0`` the trained horizon) for each ``alpha``,
-and as trained with ``learned_optimizer.loss_guard`` set to each
-``--loss-guards`` value (a brake that needs no meta-training), beside tuned Adam and Adam + cosine at the learning rates ``popmeta eval``
-chose for them (read from the baseline cache, tuned there if absent). It
+and as trained with each ``--options`` set of the rule's options that no
+meta-parameter stands for (``loss_guard=0.01``, ``weight_decay=0.1``), beside
+tuned Adam and Adam + cosine at the learning rates ``popmeta eval`` chose for them (read from the baseline cache, tuned there if absent). It
 runs on the baselines' *tuning* tasks' seed (``eval.seed + 1``), never on the
 test tasks, so a scale chosen from its table is not chosen on the tasks that
 judge it. Prints one markdown row per setting: mean training loss / mean
 final test loss of each.
 
     python docs/results/probe_step_scale.py runs/generalist/checkpoints/ckpt_00006000.npz \\
-        --settings "conv_digits: 10x horizon" --alphas 0 0.15 0.3 0.45 --loss-guards 0.01
+        --settings "conv_digits: 10x horizon" --alphas 0 0.15 0.3 0.45 --options loss_guard=0.01
 
 What it measured: docs/generalist.md, "The long-horizon misses are the step size"
 and "A brake on a climbing loss: `loss_guard`".
@@ -26,9 +26,10 @@ import dataclasses
 import jax
 import numpy as np
 
+from popmeta.config import config_from_dict, config_to_dict
 from popmeta.core.evaluation import training_curves
 from popmeta.evaluate.baselines import BASELINES, BaselineCache
-from popmeta.evaluate.checkpoints import load_theta
+from popmeta.evaluate.checkpoints import checked_rule_changes, load_theta
 from popmeta.evaluate.runs import learned_optimizer_run, settings_of, trained_horizon
 from popmeta.evaluate.statistics import scores_of
 from popmeta.experiment import build_task_family
@@ -45,12 +46,12 @@ def _curves(family, optimizer, key, num_tasks: int, num_steps: int):
     return jax.jit(lambda: training_curves(family, optimizer, key, num_tasks, num_steps))()
 
 
-def _with_loss_guard(config, guard: float):
-    section = config.learned_optimizer
-    options = {**section.options, "loss_guard": guard}
-    return dataclasses.replace(
-        config, learned_optimizer=dataclasses.replace(section, options=options)
-    )
+def _with_options(config, changes: str, theta):
+    """``config`` with the learned optimizer's options ``changes`` (``k=v[,k=v]``) set."""
+    overrides = [f"learned_optimizer.{change}" for change in changes.split(",")]
+    changed = config_from_dict(config_to_dict(config), "--options", overrides)
+    checked_rule_changes(config.learned_optimizer, changed.learned_optimizer, theta, "--options")
+    return changed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,7 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint")
     parser.add_argument("--settings", nargs="+", required=True, help="setting names, as eval's")
     parser.add_argument("--alphas", nargs="+", type=float, default=[0.0, 0.15, 0.3, 0.45])
-    parser.add_argument("--loss-guards", nargs="*", type=float, default=[])
+    parser.add_argument(
+        "--options",
+        nargs="*",
+        default=[],
+        help="rule options to run the checkpoint with, each k=v[,k=v], e.g. loss_guard=0.01",
+    )
     parser.add_argument("--tasks", type=int, default=16, help="tuning-seed tasks per setting")
     args = parser.parse_args(argv)
 
@@ -74,11 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         config, eval=dataclasses.replace(ev, seed=ev.seed + 1, num_tasks=args.tasks)
     )
     horizon, cache = trained_horizon(config), BaselineCache()
+    variants = [_with_options(probe, changes, theta) for changes in args.options]
 
     columns = [
         *COMPARED_BASELINES,
         *(f"learned, alpha {a:g}" for a in args.alphas),
-        *(f"learned, guard {g:g}" for g in args.loss_guards),
+        *(f"learned, {changes}" for changes in args.options),
     ]
     print("| setting | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
@@ -104,10 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         for alpha in args.alphas:
             scaled = dict(theta, log_lr=theta["log_lr"] - alpha * np.log(steps / horizon))
             cells.append(_losses(run_learned(scaled)))
-        for guard in args.loss_guards:
-            cells.append(
-                _losses(learned_optimizer_run(_with_loss_guard(probe, guard), setting)(theta))
-            )
+        for changed in variants:
+            cells.append(_losses(learned_optimizer_run(changed, setting)(theta)))
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
