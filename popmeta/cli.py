@@ -225,13 +225,12 @@ def _eval(checkpoint: str, out: str | None, overrides: list[str], fresh: bool) -
                 "the checkpoint's own",
                 EX_USAGE,
             )
-
-    if out is None and any(o.startswith("learned_optimizer.") for o in overrides):
-        return _fail(
-            "eval --set learned_optimizer.*: give --out too, so that the evaluation of the "
-            "rule as trained in RUN/eval is not overwritten by a changed one",
-            EX_USAGE,
-        )
+        if override.startswith("learned_optimizer.") and out is None:
+            return _fail(
+                "eval --set learned_optimizer.*: give --out too, so that the evaluation of "
+                "the rule as trained in RUN/eval is not overwritten by a changed one",
+                EX_USAGE,
+            )
 
     def with_overrides(config):
         return config_from_dict(config_to_dict(config), "the checkpoint's config", overrides)
