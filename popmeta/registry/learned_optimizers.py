@@ -117,6 +117,7 @@ def normalized_mlp(
     run_length_feature: bool = False,
     element_clip: PositiveFloat | None = None,
     loss_guard: PositiveFloat | None = None,
+    braked_weight_decay: NonNegativeFloat | None = None,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -135,6 +136,8 @@ def normalized_mlp(
         by default. Above 7.27 it never clips Adam's own direction under step_rms: at_most.
     loss_guard: a brake g on long runs: every later step is at most g / c of the rule's, c the
         largest climb of the loss EMA above its lowest so far, in first losses; none by default.
+    braked_weight_decay: w, with loss_guard: the decay rises from weight_decay to w as the brake
+        engages (weight_decay + (w - weight_decay) * (1 - guard)); none by default.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -149,5 +152,6 @@ def normalized_mlp(
         run_length_feature=run_length_feature,
         element_clip=element_clip,
         loss_guard=loss_guard,
+        braked_weight_decay=braked_weight_decay,
         mlp_dtype=mlp_dtype,
     )

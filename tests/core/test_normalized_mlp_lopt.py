@@ -198,6 +198,44 @@ def test_loss_guard_brakes_every_later_step_by_the_largest_climb_and_never_relea
         NormalizedMLPLOpt(loss_guard=0.0)
 
 
+def test_braked_weight_decay_rises_from_weight_decay_as_the_brake_engages():
+    """The decay is ``wd + (w - wd) * (1 - guard)``: ``wd`` while unbraked, near ``w`` once stopped."""
+    losses = [2.0] + [0.2] * 30 + [1.0] * 10  # falls, then climbs: the guard falls below 0.5
+    rules = {
+        "undecayed": NormalizedMLPLOpt(initial_lr=0.02, loss_guard=0.05),
+        "decayed": NormalizedMLPLOpt(initial_lr=0.02, loss_guard=0.05, weight_decay=0.1),
+        "braked": NormalizedMLPLOpt(
+            initial_lr=0.02, loss_guard=0.05, weight_decay=0.1, braked_weight_decay=0.5
+        ),
+    }
+    theta = _random_theta(rules["undecayed"], 1.0)
+    steps = {name: jax.jit(rule.opt_fn(theta).step) for name, rule in rules.items()}
+    state = rules["undecayed"].opt_fn(theta).init(PARAMS, num_steps=len(losses))
+    for i, loss in enumerate(losses):
+        # All three step from the same state, so they differ only in the decay's term.
+        grad, before = _grad(state.params, i), state
+        undecayed, state = steps["undecayed"](before, grad, loss=jnp.float32(loss))
+        decayed, _ = steps["decayed"](before, grad, loss=jnp.float32(loss))
+        braked, _ = steps["braked"](before, grad, loss=jnp.float32(loss))
+        guard = float(state.guard)
+        expected_decay = 0.1 + (0.5 - 0.1) * (1.0 - guard)
+        for name in PARAMS:
+            per_unit_decay = (decayed[name] - undecayed[name]) / 0.1  # -lr * guard * p
+            np.testing.assert_allclose(
+                braked[name],
+                undecayed[name] + expected_decay * per_unit_decay,
+                rtol=1e-4,
+                atol=1e-8,
+            )
+            if guard == 1.0:
+                np.testing.assert_allclose(braked[name], decayed[name], rtol=1e-6, atol=0)
+    assert guard < 0.5
+    with pytest.raises(ValueError, match="braked_weight_decay"):
+        NormalizedMLPLOpt(braked_weight_decay=0.1)  # no brake to follow
+    with pytest.raises(ValueError, match="braked_weight_decay"):
+        NormalizedMLPLOpt(loss_guard=0.05, braked_weight_decay=-0.1)
+
+
 def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
     """``p <- p - lr * (n + wd * p)``, as AdamW: the plain rule's step minus ``lr * wd * p``."""
     decayed, plain = (

@@ -12,7 +12,8 @@ distribution:
                                                           (element_clip=c: then clip(n, -c, c))
     lr      = exp(log_lr + bound(schedule(global features))) * external(f)
                                                           (loss_guard=g: times guard, below)
-    p      <- p - lr * n
+    p      <- p - lr * (n + wd * p)                      wd: weight_decay (braked_weight_decay=w:
+                                                          wd + (w - wd) * (1 - guard))
 
 Every tensor moves by exactly ``lr`` in root mean square (at most ``lr`` with
 ``step_rms="at_most"``), so no input the MLP never saw can make a step
@@ -26,8 +27,11 @@ one parameter's: one of ``n`` elements may take up to ``sqrt(n)`` step sizes;
 on the step size for runs longer than meta-training's: with ``c`` the loss
 EMA's climb above its lowest value so far, in units of the first loss,
 ``guard = min over the run so far of min(1, g / c)``, so a climb of ``2 g``
-halves every later step (one that never climbs by ``g`` is untouched). Its
-features, and why: docs/generalist.md.
+halves every later step (one that never climbs by ``g`` is untouched).
+``braked_weight_decay`` raises the decay as the brake engages: a loss that
+climbs late in a run is a rule fitting faster than the task generalizes, and
+a run whose loss never climbs keeps the small decay. Its features, and why:
+docs/generalist.md.
 """
 
 from __future__ import annotations
@@ -189,8 +193,13 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
         lr = jnp.exp(theta["log_lr"] + _bounded(schedule)) * EXTERNAL_SCHEDULES[
             lopt.external_schedule
         ](fraction)
+        weight_decay = lopt.weight_decay
         if guard is not None:
             lr = lr * guard
+            if lopt.braked_weight_decay is not None:
+                weight_decay = weight_decay + (lopt.braked_weight_decay - weight_decay) * (
+                    1 - guard
+                )
 
         directions, corrections, log_scales = adam_and_mlp(
             lopt,
@@ -216,8 +225,8 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
                 normalized = second_moment_normalize(u, tuple(range(u.ndim)), _RMS_EPSILON)
             if lopt.element_clip is not None:
                 normalized = jnp.clip(normalized, -lopt.element_clip, lopt.element_clip)
-            if lopt.weight_decay:
-                normalized = normalized + lopt.weight_decay * p
+            if lopt.weight_decay or lopt.braked_weight_decay:
+                normalized = normalized + weight_decay * p
             return -(lr * normalized).astype(p.dtype)
 
         updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
@@ -282,6 +291,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         run_length_feature: bool = False,
         element_clip: float | None = None,
         loss_guard: float | None = None,
+        braked_weight_decay: float | None = None,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -339,6 +349,9 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             rule's own, ``c`` the largest climb of the loss EMA above its
             lowest value so far, in units of the first loss (the module
             docstring); ``None``: no brake. Hand-designed, not meta-trained.
+          braked_weight_decay: ``w`` (needs ``loss_guard``): the decay once the
+            brake has stopped the step, ``weight_decay + (w - weight_decay) *
+            (1 - guard)`` on the way; ``None``: ``weight_decay`` throughout.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -354,6 +367,13 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             raise ValueError(f"element_clip must be > 0 or None, got {element_clip!r}")
         if loss_guard is not None and not loss_guard > 0:
             raise ValueError(f"loss_guard must be > 0 or None, got {loss_guard!r}")
+        if braked_weight_decay is not None and not (
+            loss_guard is not None and braked_weight_decay >= 0
+        ):
+            raise ValueError(
+                f"braked_weight_decay must be >= 0 and needs loss_guard, got "
+                f"braked_weight_decay={braked_weight_decay!r}, loss_guard={loss_guard!r}"
+            )
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
@@ -374,6 +394,9 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.run_length_feature = bool(run_length_feature)
         self.element_clip = None if element_clip is None else float(element_clip)
         self.loss_guard = None if loss_guard is None else float(loss_guard)
+        self.braked_weight_decay = (
+            None if braked_weight_decay is None else float(braked_weight_decay)
+        )
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
