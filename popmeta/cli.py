@@ -127,6 +127,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", help="a ckpt_*.npz file written by `popmeta train`")
     export.add_argument("out", help="the file to write, e.g. my_optimizer.npz")
+    export.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="write an option of the learned optimizer that no meta-parameter stands for "
+        "otherwise than trained, e.g. learned_optimizer.loss_guard=0.01",
+    )
     return parser
 
 
@@ -253,11 +262,28 @@ def _eval(checkpoint: str, out: str | None, overrides: list[str], fresh: bool) -
     return 0
 
 
-def _export(checkpoint: str, out: str) -> int:
+def _export(checkpoint: str, out: str, overrides: list[str]) -> int:
+    import yaml
+
     from popmeta.export import export_optimizer, read_trained_optimizer
 
+    changes = {}
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        name = key.strip().removeprefix("learned_optimizer.")
+        if not (sep and key.strip().startswith("learned_optimizer.") and name and "." not in name):
+            return _fail(
+                f"export --set {override}: expected learned_optimizer.KEY=VALUE, an option of "
+                "the learned optimizer that leaves theta's shape as trained, e.g. "
+                "learned_optimizer.loss_guard=0.01",
+                EX_USAGE,
+            )
+        try:
+            changes[name] = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            return _fail(f"export --set {override}: the value is not YAML ({err})", EX_USAGE)
     try:
-        written = export_optimizer(checkpoint, out)
+        written = export_optimizer(checkpoint, out, changes)
         trained = read_trained_optimizer(written)
     except (FileNotFoundError, ValueError) as err:
         return _fail(str(err), EX_USAGE)
@@ -268,8 +294,9 @@ def _export(checkpoint: str, out: str) -> int:
         if trained.lopt.needs_num_steps
         else ""
     )
+    changed = "".join(f", {key}={value!r}" for key, value in changes.items())
     print(
-        f"{written}: learned_optimizer.kind={trained.config.kind!r} from step "
+        f"{written}: learned_optimizer.kind={trained.config.kind!r}{changed} from step "
         f"{trained.source.get('step')} of {trained.source.get('run')!r}; in Python, "
         f"popmeta.load_optimizer({str(written)!r}) is an optax transformation{horizon}"
     )
@@ -280,7 +307,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _eval(args.checkpoint, args.out, args.overrides, args.fresh_baselines)
     if args.command == "export":
-        return _export(args.checkpoint, args.out)
+        return _export(args.checkpoint, args.out, args.overrides)
     if args.command == "kinds":
         from popmeta.registry import render_markdown
 

@@ -1,10 +1,12 @@
 """A trained learned optimizer as a file of its own, and back as an optax transformation.
 
-``popmeta export CKPT OUT`` (:func:`export_optimizer`) writes ``OUT``: a
+``popmeta export CKPT OUT [--set learned_optimizer.KEY=VALUE]``
+(:func:`export_optimizer`) writes ``OUT``: a
 ``.npz`` in the checkpoint format (readable with ``np.load``, no pickle) with
 theta keyed by pytree path and a header holding the format and its version,
 popmeta's version, the learned optimizer's ``kind`` and fields (the
-``learned_optimizer`` section it was trained with) and where it came from.
+``learned_optimizer`` section it was trained with, with any option changed at
+export) and where it came from.
 :func:`load_optimizer` reads such a file, or a training checkpoint directly,
 without the run directory, and returns the optimizer as an optax
 transformation (:func:`popmeta.core.learned_optimizers.as_optax`).
@@ -50,8 +52,10 @@ class TrainedOptimizer(NamedTuple):
     Attributes:
       lopt: the learned optimizer, built from its recorded kind and fields.
       theta: the trained meta-parameters (numpy arrays).
-      config: the ``learned_optimizer`` section it was trained with.
-      source: where it came from: the run, its step and the checkpoint file.
+      config: the ``learned_optimizer`` section it runs with: as trained, but for
+        the options in ``source["changes"]``, if any.
+      source: where it came from: the run, its step and the checkpoint file, and
+        ``changes``: the options set otherwise than trained, at export or load.
     """
 
     lopt: LearnedOptimizer
@@ -126,17 +130,28 @@ def read_trained_optimizer(path: str | Path) -> TrainedOptimizer:
     return TrainedOptimizer(build_learned_optimizer(section), theta, section, source)
 
 
-def export_optimizer(checkpoint: str | Path, out: str | Path) -> Path:
+def export_optimizer(
+    checkpoint: str | Path, out: str | Path, changes: Mapping[str, Any] | None = None
+) -> Path:
     """Writes the learned optimizer of a training checkpoint to the file ``out``.
+
+    Args:
+      checkpoint: a training checkpoint, or a file written by ``popmeta export``.
+      out: the file to write.
+      changes: options of the learned optimizer to write otherwise than it
+        was trained with, as :func:`load_optimizer` takes them; the header's
+        ``source`` records them under ``changes``, so the file says what it
+        is and :func:`load_optimizer` needs none of them again.
 
     Returns:
       The path written.
 
     Raises:
-      FileNotFoundError, ValueError: as :func:`read_trained_optimizer`.
+      FileNotFoundError, ValueError: as :func:`read_trained_optimizer`, and a
+        change that is no field of the kind or would change theta's shapes.
       OSError: ``out`` could not be written.
     """
-    trained = read_trained_optimizer(checkpoint)
+    trained = _with_changes(read_trained_optimizer(checkpoint), changes, checkpoint)
     out = Path(out)
     header = {
         "format": FORMAT,
@@ -150,6 +165,20 @@ def export_optimizer(checkpoint: str | Path, out: str | Path) -> Path:
     }
     theta = jax.tree_util.tree_map(np.asarray, trained.theta)
     return save_tree(out, {"theta": theta}, int(trained.source.get("step") or 0), header)
+
+
+def _with_changes(
+    trained: TrainedOptimizer, changes: Mapping[str, Any] | None, path: str | Path
+) -> TrainedOptimizer:
+    """``trained`` with the options ``changes`` set, checked to leave theta's shapes as trained."""
+    if not changes:
+        return trained
+    fields = {"kind": trained.config.kind, **trained.config.options, **changes}
+    search_path = list(trained.source.get("module_dirs", []))
+    section = _section(fields, Path(path), search_path)
+    checked_rule_changes(trained.config, section, trained.theta, str(path))
+    source = {**trained.source, "changes": {**trained.source.get("changes", {}), **changes}}
+    return TrainedOptimizer(build_learned_optimizer(section), trained.theta, section, source)
 
 
 def load_optimizer(
@@ -177,13 +206,7 @@ def load_optimizer(
         missing ``num_steps`` for an optimizer that needs it, and a change
         that is no field of the kind or would change theta's shapes.
     """
-    trained = read_trained_optimizer(path)
-    if changes:
-        fields = {"kind": trained.config.kind, **trained.config.options, **changes}
-        search_path = list(trained.source.get("module_dirs", []))
-        section = _section(fields, Path(path), search_path)
-        checked_rule_changes(trained.config, section, trained.theta, str(path))
-        trained = trained._replace(lopt=build_learned_optimizer(section), config=section)
+    trained = _with_changes(read_trained_optimizer(path), changes, path)
     if trained.lopt.needs_num_steps and num_steps is None:
         raise ValueError(
             f"{path}: learned_optimizer.kind={trained.config.kind!r} reads how far through its "

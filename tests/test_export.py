@@ -265,7 +265,9 @@ def test_files_that_are_no_optimizer_or_of_a_newer_format_or_another_kind_are_re
         pm.load_optimizer(text)
 
 
-def test_an_option_no_meta_parameter_stands_for_may_change_at_load_and_no_other(tmp_path):
+def test_an_option_no_meta_parameter_stands_for_may_change_at_load_or_export_and_no_other(
+    tmp_path, capsys
+):
     config = local_config(
         tmp_path, name="braked", learned_optimizer={"kind": "normalized_mlp", "hidden_size": 8}
     )
@@ -285,3 +287,26 @@ def test_an_option_no_meta_parameter_stands_for_may_change_at_load_and_no_other(
         pm.load_optimizer(checkpoint, num_steps=STEPS, changes={"hidden_size": 16})
     with pytest.raises(ValueError, match="its learned optimizer is not one this popmeta can build"):
         pm.load_optimizer(checkpoint, num_steps=STEPS, changes={"no_such_field": 1})
+
+    # Exported with the option set, the file carries it: it loads as the rule changed at load.
+    out = tmp_path / "braked.npz"
+    assert (
+        main(["export", str(checkpoint), str(out), "--set", "learned_optimizer.loss_guard=0.5"])
+        == 0
+    )
+    assert "'normalized_mlp', loss_guard=0.5 from step" in capsys.readouterr().out
+    header = read_checkpoint_metadata(out)
+    assert header["learned_optimizer"]["loss_guard"] == 0.5
+    assert header["source"]["changes"] == {"loss_guard": 0.5}
+    changed_at_load = pm.load_optimizer(checkpoint, num_steps=STEPS, changes={"loss_guard": 0.5})
+    assert tree_bytes(_optax_trajectory(pm.load_optimizer(out, num_steps=STEPS), params, x, y)) == (
+        tree_bytes(_optax_trajectory(changed_at_load, params, x, y))
+    )
+    refused = tmp_path / "refused.npz"
+    for override, message in (
+        ("learned_optimizer.hidden_size=16", "hidden_size=16 gives the learned optimizer"),
+        ("eval.num_tasks=4", "expected learned_optimizer.KEY=VALUE"),
+    ):
+        assert main(["export", str(checkpoint), str(refused), "--set", override]) != 0
+        assert message in capsys.readouterr().err
+    assert not refused.exists()
