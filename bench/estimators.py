@@ -60,7 +60,11 @@ def _image_task(name: str):
     )
 
 
-def build_config(name: str):
+#: Inner problems per estimate unless ``--tasks`` says otherwise: the CPU figures' population.
+NUM_TASKS = 8
+
+
+def build_config(name: str, num_tasks: int = NUM_TASKS):
     """The learned optimizer and gradient estimator of configuration ``name`` (see CONFIGS)."""
     import popmeta as pm
 
@@ -74,7 +78,7 @@ def build_config(name: str):
         family,
         lopt,
         pm.ConstantTruncationSchedule(50),
-        num_tasks=8,
+        num_tasks=num_tasks,
         random_initial_iteration_offset=0 if name == "d" else 50,
     )
     if name == "d":
@@ -116,14 +120,14 @@ def _flops_per_inner_step(name: str, lopt) -> float | None:
     return float(task_flops + lopt_flops)
 
 
-def run_one(name: str, seconds: float) -> dict:
+def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     import jax
     import numpy as np
     import optax
 
     from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
 
-    lopt, estimator = build_config(name)
+    lopt, estimator = build_config(name, num_tasks)
     theta = lopt.init(jax.random.key(0))
     flops_per_step = _flops_per_inner_step(name, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
@@ -191,13 +195,14 @@ def matmul_peak_gflops(n: int = 1024, seconds: float = 2.0, dtype: str = "float3
     return count * 2 * n**3 / (time.perf_counter() - start) / 1e9
 
 
-def _run_config(name: str, seconds: float, tree: Path | None) -> dict:
+def _run_config(name: str, seconds: float, tree: Path | None, num_tasks: int = NUM_TASKS) -> dict:
     """One configuration in a fresh interpreter, importing popmeta from ``tree`` if given."""
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    command = [sys.executable, __file__, "--one", name]
     proc = subprocess.run(
-        [sys.executable, __file__, "--one", name, "--seconds", str(seconds)],
+        [*command, "--seconds", str(seconds), "--tasks", str(num_tasks)],
         capture_output=True,
         text=True,
         env=env,
@@ -212,13 +217,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--configs", default="a,b,c,d")
     parser.add_argument(
+        "--tasks", type=int, default=NUM_TASKS, help="inner problems per estimate (all configs)"
+    )
+    parser.add_argument(
         "--compare-with", type=Path, help="another popmeta checkout to run side by side"
     )
     parser.add_argument("--repeats", type=int, default=2, help="runs per tree with --compare-with")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.seconds)))
+        print(json.dumps(run_one(args.one, args.seconds, args.tasks)))
         return
     if args.compare_with is not None and not (args.compare_with / "popmeta").is_dir():
         raise SystemExit(f"--compare-with {args.compare_with}: no popmeta package in it")
@@ -241,14 +249,14 @@ def main() -> None:
                 f"--configs: unknown configuration {name!r}; known: {','.join(CONFIGS)}"
             )
         if args.compare_with is None:
-            r = _run_config(name, args.seconds, None)
+            r = _run_config(name, args.seconds, None, args.tasks)
             other = None
             flags_seen["this tree"] = r["xla_flags"]
         else:
             runs, others = [], []
             for _ in range(args.repeats):
-                others.append(_run_config(name, args.seconds, args.compare_with))
-                runs.append(_run_config(name, args.seconds, None))
+                others.append(_run_config(name, args.seconds, args.compare_with, args.tasks))
+                runs.append(_run_config(name, args.seconds, None, args.tasks))
             r = runs[0] | {
                 "inner_steps_per_s": statistics.median(x["inner_steps_per_s"] for x in runs),
                 "peak_rss_mb": max(x["peak_rss_mb"] for x in runs),

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from popmeta.accelerator_memory import allocate_as_needed
 from popmeta.config import ConfigError, config_to_yaml, load_config
 
 __all__ = ["EXIT_STATUSES", "console", "main"]
@@ -388,6 +389,8 @@ def _output_that_survives_a_hangup() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before JAX's first computation: the learner shares its chip with actors.
+    allocate_as_needed()
     with _output_that_survives_a_hangup():
         try:
             args = _parser().parse_args(argv)

@@ -26,10 +26,10 @@ def test_the_device_check_measures_every_configuration_and_a_two_actor_run():
         filter(None, [env.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=2"])
     )
     env["JAX_PLATFORMS"] = "cpu"
-    configs = ["c", "c-bf16-mlp", "c-bf16"]
+    configs, task_counts = ["c", "c-bf16"], [4, 8]
     command = [sys.executable, "bench/device.py", "--seconds", "0.3", "--steps", "20"]
     proc = subprocess.run(
-        [*command, "--configs", ",".join(configs)],
+        [*command, "--configs", ",".join(configs), "--tasks", ",".join(map(str, task_counts))],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -39,11 +39,17 @@ def test_the_device_check_measures_every_configuration_and_a_two_actor_run():
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "cpu: 2 chip(s)" in out
-    assert re.search(r"float32 [\d,.]+ GFLOP/s, bfloat16 with float32 sums [\d,.]+ GFLOP/s", out)
+    assert re.search(
+        r"float32 [\d,.]+ GFLOP/s \([\d,.]+ at the highest precision\), "
+        r"bfloat16 with float32 sums [\d,.]+ GFLOP/s",
+        out,
+    )
     for name in configs:
-        line = next(line for line in out.splitlines() if line.strip().startswith(f"({name})"))
-        rate = float(re.search(r"([\d,]+) inner-steps/s per chip", line)[1].replace(",", ""))
-        share = float(re.search(r"(\d+)% of peak", line)[1])
-        assert rate > 0 and share > 0, line
+        lines = [line for line in out.splitlines() if line.strip().startswith(f"({name}) ")]
+        assert [int(re.search(r", (\d+) tasks ", line)[1]) for line in lines] == task_counts
+        for line in lines:
+            rate = float(re.search(r"([\d,]+) inner-steps/s per chip", line)[1].replace(",", ""))
+            share = float(re.search(r"(\d+)% of peak", line)[1])
+            assert rate > 0 and share > 0, line
     run = re.search(r"2 actors, 20 steps: ([\d.]+) estimates/s", out)
     assert run and float(run[1]) > 0, out

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "popmeta"
 #: Bottom first. ``popmeta`` itself (the flat public namespace) is the top.
 LAYERS: list[list[str]] = [
     # pure JAX: tasks, optimizers, truncated steps, estimators; XLA flags for CPU; the progress line
-    ["popmeta.core", "popmeta.xla_flags", "popmeta.progress"],
+    ["popmeta.core", "popmeta.xla_flags", "popmeta.accelerator_memory", "popmeta.progress"],
     ["popmeta.registry"],  # the kinds a config may name, and their builders
     ["popmeta.config"],  # typed config schema, YAML, overrides, validation
     ["popmeta.experiment", "popmeta.estimate"],  # config -> core objects; the wire record

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import ray
 
+from popmeta.accelerator_memory import actor_env_vars
 from popmeta.actors.actor import EstimatorActor
 from popmeta.actors.records import ActorInfo, WorkerState
 from popmeta.config import PopulationConfig
@@ -284,7 +285,8 @@ class RayPopulation:
 
         compiled_method = "compute" if pc.compiled_graph else None
         # Per actor only what Ray merges with the job's environment.
-        actor_env = {"env_vars": dict(pc.env)} if pc.env else None
+        env_vars = actor_env_vars(pc.num_gpus, pc.env)
+        actor_env = {"env_vars": env_vars} if env_vars else None
         self._supervisor = ActorSupervisor(
             EstimatorActor, actor_args, pc, compiled_method, actor_env
         )

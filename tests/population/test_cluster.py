@@ -21,6 +21,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from popmeta.accelerator_memory import PREALLOCATE
 from popmeta.experiment import learner_start
 from popmeta.learner.learner import Learner
 from popmeta.population.ray_population import RayPopulation
@@ -46,10 +47,13 @@ class Nodes:
         self.cluster = cluster
         self.by_name: dict[str, object] = {}
 
-    def add(self, name: str, num_cpus: int, resources: dict[str, float]) -> str:
+    def add(self, name: str, num_cpus: int, resources: dict[str, float], num_gpus: int = 0) -> str:
         with quiet_fork():
             node = self.cluster.add_node(
-                num_cpus=num_cpus, resources=resources, object_store_memory=NODE_STORE_BYTES
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                resources=resources,
+                object_store_memory=NODE_STORE_BYTES,
             )
         self.cluster.wait_for_nodes(timeout=60)
         self.by_name[name] = node
@@ -71,6 +75,8 @@ def nodes(no_session_ray):
     env.setenv("RAY_TMPDIR", temp_dir)
     # Nodes started as `ray start` starts them: workers at Ray's default niceness.
     env.delenv("RAY_worker_niceness", raising=False)
+    # Had an in-process `popmeta` command set it, every node's workers would inherit it.
+    env.delenv(PREALLOCATE, raising=False)
     cluster = Cluster()
     try:
         with quiet_fork():
@@ -118,6 +124,33 @@ def test_an_actor_needing_a_custom_resource_lands_on_its_node(nodes):
 
 
 @pytest.mark.parametrize("how", ["--address", "RAY_ADDRESS"])
+def _environment_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return dict(pairs)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc/PID/environ")
+def test_actors_sharing_a_gpu_allocate_its_memory_as_needed(nodes):
+    """Two actors of half a GPU share one chip: each starts with JAX's preallocation off
+    (with its default, the second would find a quarter of the chip left), unless
+    ``population.env`` sets it. The node declares a GPU; JAX computes on its CPU here."""
+    nodes.add("gpu_c", 1, {}, num_gpus=1)
+    try:
+        for env, expected in [({}, "false"), ({PREALLOCATE: "true"}, "true")]:
+            config = tiny_config(num_actors=2, num_gpus=0.5, num_cpus=0.5, mode="sync", env=env)
+            with population_of(config) as population:
+                infos = population.describe_actors()
+                assert [info.node_id for info in infos] == [nodes.id("gpu_c")] * 2
+                assert [_environment_of(info.pid).get(PREALLOCATE) for info in infos] == [
+                    expected
+                ] * 2
+                theta = Learner.of(learner_start(config)).theta()
+                assert len(population.gather(theta, 0).estimates) == 2
+    finally:
+        nodes.remove("gpu_c")
+
+
 def test_cli_joins_a_running_cluster_and_leaves_it_running(nodes, tmp_path, how):
     """`popmeta train --address ...` (or RAY_ADDRESS) runs its actors on the cluster.
 
