@@ -123,7 +123,6 @@ def test_an_actor_needing_a_custom_resource_lands_on_its_node(nodes):
         assert len(population.gather(Learner.of(learner_start(config)).theta(), 0).estimates) == 1
 
 
-@pytest.mark.parametrize("how", ["--address", "RAY_ADDRESS"])
 def _environment_of(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         pairs = [item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item]
@@ -151,6 +150,7 @@ def test_actors_sharing_a_gpu_allocate_its_memory_as_needed(nodes):
         nodes.remove("gpu_c")
 
 
+@pytest.mark.parametrize("how", ["--address", "RAY_ADDRESS"])
 def test_cli_joins_a_running_cluster_and_leaves_it_running(nodes, tmp_path, how):
     """`popmeta train --address ...` (or RAY_ADDRESS) runs its actors on the cluster.
 
