@@ -33,14 +33,16 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from estimators import CONFIGS, _run_config, matmul_peak_gflops  # noqa: E402
+from estimators import CONFIGS, NUM_TASKS, _run_config, matmul_peak_gflops  # noqa: E402
 
 #: The side of the square matrices the peak is measured on: large enough to
 #: fill a GPU, still seconds on a CPU.
 PEAK_SIZE = {"cpu": 1024}
 DEFAULT_PEAK_SIZE = 8192
-#: Inner problems per estimate unless ``--tasks`` is given, by platform (else 256).
-DEFAULT_TASKS = {"cpu": "8"}
+#: Inner problems per estimate unless ``--tasks`` is given: the CPU figures' on CPU,
+#: enough to keep an accelerator busy elsewhere.
+DEFAULT_TASKS = {"cpu": NUM_TASKS}
+ACCELERATOR_TASKS = 256
 
 
 def chips() -> tuple[str, int, str]:
@@ -51,29 +53,26 @@ def chips() -> tuple[str, int, str]:
     return devices[0].platform, len(devices), devices[0].device_kind
 
 
-def estimator_rows(
+def print_estimator_rows(
     configs: list[str], seconds: float, peaks: dict[str, float], task_counts: list[int]
-) -> list[str]:
+) -> None:
     """One line per configuration and task count: inner-steps/s on one chip, GFLOP/s, share of peak."""
-    lines = []
     for num_tasks, name in itertools.product(task_counts, configs):
         label = f"({name}) {CONFIGS[name]}, {num_tasks} tasks"
         try:
             result = _run_config(name, seconds, None, num_tasks)
-        except SystemExit as failure:
-            lines.append(f"  {label}: failed, {str(failure)[-1500:]}")
-            print(lines[-1], flush=True)
+        except SystemExit as failure:  # _run_config's way of saying the subprocess failed
+            print(f"  {label}: failed, {str(failure)[-1500:]}", flush=True)
             continue
         rate, flops = result["inner_steps_per_s"], result["flops_per_inner_step"]
         peak = peaks["bfloat16" if "-bf16" in name else "float32"]
         achieved = rate * flops / 1e9 if flops else float("nan")
-        lines.append(
+        print(
             f"  {label:<60} {rate:>14,.0f} inner-steps/s per chip  "
             f"{achieved:>9.1f} GFLOP/s  {100 * achieved / peak:>4.0f}% of peak  "
-            f"peak RSS {result['peak_rss_mb']:,.0f} MB  XLA temp {result['xla_temp_mb']:.1f} MB"
+            f"peak RSS {result['peak_rss_mb']:,.0f} MB  XLA temp {result['xla_temp_mb']:.1f} MB",
+            flush=True,
         )
-        print(lines[-1], flush=True)
-    return lines
 
 
 def train_run(steps: int, platform: str, timeout_s: float) -> str:
@@ -103,13 +102,13 @@ def train_run(steps: int, platform: str, timeout_s: float) -> str:
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         return f"  popmeta train failed (exit {proc.returncode}):\n{output[-3000:]}"
-    rates = re.findall(r"est/s=([0-9.]+)", output)
-    last = rates[-1] if rates else "?"
-    progress = [line for line in output.splitlines() if "est/s=" in line]
+    progress = [line.strip() for line in output.splitlines() if "est/s=" in line]
+    last = progress[-1] if progress else "(no progress line)"
+    rate = re.search(r"est/s=([0-9.]+)", last)
     return (
         f"  popmeta train configs/digits_mlp.yaml, 2 actors, {steps} steps: "
-        f"{last} estimates/s at the last progress line, {seconds:.0f} s launch to exit\n"
-        f"    {progress[-1].strip() if progress else '(no progress line)'}"
+        f"{rate[1] if rate else '?'} estimates/s at the last progress line, "
+        f"{seconds:.0f} s launch to exit\n    {last}"
     )
 
 
@@ -142,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The run first: it is the check's only multi-process part, the likeliest to fail.
     print(train_run(args.steps, platform, args.train_timeout), flush=True)
-    tasks = args.tasks or DEFAULT_TASKS.get(platform, "256")
-    task_counts = [int(n) for n in tasks.split(",")]
-    estimator_rows(args.configs.split(","), args.seconds, peaks, task_counts)
+    if args.tasks:
+        task_counts = [int(n) for n in args.tasks.split(",")]
+    else:
+        task_counts = [DEFAULT_TASKS.get(platform, ACCELERATOR_TASKS)]
+    print_estimator_rows(args.configs.split(","), args.seconds, peaks, task_counts)
     return 0
 
 

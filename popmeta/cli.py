@@ -389,8 +389,6 @@ def _output_that_survives_a_hangup() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before JAX's first computation: the learner shares its chip with actors.
-    allocate_as_needed()
     with _output_that_survives_a_hangup():
         try:
             args = _parser().parse_args(argv)
@@ -408,6 +406,9 @@ def console() -> None:
     from popmeta.run_signals import StopSignals
 
     StopSignals.process_ends_with_run = True
+    # Before JAX's first computation: the learner shares its chip with actors.
+    # Here, not in main(): a process that calls main() keeps its own environment.
+    allocate_as_needed()
     status = main()
     if status == EX_INTERRUPTED:
         # Ray's exit handler still stops the processes this run started: one

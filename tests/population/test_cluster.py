@@ -75,7 +75,7 @@ def nodes(no_session_ray):
     env.setenv("RAY_TMPDIR", temp_dir)
     # Nodes started as `ray start` starts them: workers at Ray's default niceness.
     env.delenv("RAY_worker_niceness", raising=False)
-    # Had an in-process `popmeta` command set it, every node's workers would inherit it.
+    # Set in this environment, it would reach every node's workers as if popmeta set it.
     env.delenv(PREALLOCATE, raising=False)
     cluster = Cluster()
     try:
@@ -129,7 +129,6 @@ def _environment_of(pid: int) -> dict[str, str]:
     return dict(pairs)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc/PID/environ")
 def test_actors_sharing_a_gpu_allocate_its_memory_as_needed(nodes):
     """Two actors of half a GPU share one chip: each starts with JAX's preallocation off
     (with its default, the second would find a quarter of the chip left), unless
