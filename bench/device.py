@@ -75,6 +75,30 @@ def print_estimator_rows(
         )
 
 
+def _task_counts(text: str) -> list[int]:
+    """``--tasks``: positive integers separated by commas."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas, e.g. 8,256; got {text!r}"
+        )
+    return counts
+
+
+def _config_names(text: str) -> list[str]:
+    """``--configs``: names of bench/estimators.py's configurations, separated by commas."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in CONFIGS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown {unknown}; the configurations: {sorted(CONFIGS)}"
+        )
+    return names
+
+
 def train_run(steps: int, platform: str, timeout_s: float) -> str:
     """A 2-actor ``popmeta train configs/digits_mlp.yaml`` of ``steps`` steps; its last rate."""
     overrides = [
@@ -116,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--configs", default="c,c-bf16-mlp,c-bf16,e,e-bf16-mlp,e-bf16")
-    parser.add_argument("--tasks", help="inner problems per estimate, e.g. 8,256")
+    parser.add_argument(
+        "--configs", type=_config_names, default="c,c-bf16-mlp,c-bf16,e,e-bf16-mlp,e-bf16"
+    )
+    parser.add_argument(
+        "--tasks", type=_task_counts, help="inner problems per estimate, e.g. 8,256"
+    )
     parser.add_argument("--train-timeout", type=float, default=300.0, help="seconds")
     args = parser.parse_args(argv)
     platform, count, kind = chips()
@@ -141,11 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The run first: it is the check's only multi-process part, the likeliest to fail.
     print(train_run(args.steps, platform, args.train_timeout), flush=True)
-    if args.tasks:
-        task_counts = [int(n) for n in args.tasks.split(",")]
-    else:
-        task_counts = [DEFAULT_TASKS.get(platform, ACCELERATOR_TASKS)]
-    print_estimator_rows(args.configs.split(","), args.seconds, peaks, task_counts)
+    task_counts = args.tasks or [DEFAULT_TASKS.get(platform, ACCELERATOR_TASKS)]
+    print_estimator_rows(args.configs, args.seconds, peaks, task_counts)
     return 0
 
 

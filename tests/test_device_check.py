@@ -53,3 +53,24 @@ def test_the_device_check_measures_every_configuration_and_a_two_actor_run():
             assert rate > 0 and share > 0, line
     run = re.search(r"2 actors, 20 steps: ([\d.]+) estimates/s", out)
     assert run and float(run[1]) > 0, out
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--tasks", "8,x", "positive integers"),
+        ("--tasks", "0", "positive integers"),
+        ("--configs", "c,z", "unknown ['z']"),
+    ],
+)
+def test_a_bad_flag_is_refused_before_any_measurement(flag, value, named):
+    proc = subprocess.run(
+        [sys.executable, "bench/device.py", flag, value],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"argument {flag}" in proc.stderr and named in proc.stderr, proc.stderr
+    assert "GFLOP/s" not in proc.stdout  # nothing was measured
