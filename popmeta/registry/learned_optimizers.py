@@ -118,6 +118,7 @@ def normalized_mlp(
     element_clip: PositiveFloat | None = None,
     loss_guard: PositiveFloat | None = None,
     braked_weight_decay: NonNegativeFloat | None = None,
+    loss_guard_relative: NonNegativeFloat = 0.0,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -138,6 +139,8 @@ def normalized_mlp(
         largest climb of the loss EMA above its lowest so far, in first losses; none by default.
     braked_weight_decay: w, with loss_guard: the decay rises from weight_decay to w as the brake
         engages (weight_decay + (w - weight_decay) * (1 - guard)); none by default.
+    loss_guard_relative: q, with loss_guard: the brake ignores a climb of at most q times the
+        lowest loss EMA, as a noisy loss far above zero makes; 0: every climb counts.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -153,5 +156,6 @@ def normalized_mlp(
         element_clip=element_clip,
         loss_guard=loss_guard,
         braked_weight_decay=braked_weight_decay,
+        loss_guard_relative=loss_guard_relative,
         mlp_dtype=mlp_dtype,
     )

@@ -198,6 +198,39 @@ def test_loss_guard_brakes_every_later_step_by_the_largest_climb_and_never_relea
         NormalizedMLPLOpt(loss_guard=0.0)
 
 
+def test_loss_guard_relative_lets_climbs_within_q_times_the_lowest_ema_through():
+    """A climb counts only once it exceeds q times the lowest EMA: noise far above zero does not brake."""
+    losses = [2.0] + [1.0] * 30 + [1.3] * 10 + [0.2] * 30 + [1.0] * 10
+    rules = {
+        q: NormalizedMLPLOpt(initial_lr=0.02, loss_guard=0.05, loss_guard_relative=q)
+        for q in (0.0, 1.0)
+    }
+    theta = _random_theta(rules[0.0], 1.0)
+    for q, rule in rules.items():
+        ema, lowest, guard, expected = losses[0], losses[0], 1.0, []
+        for i, loss in enumerate(losses):
+            ema = ema if i == 0 else 0.9 * ema + 0.1 * loss
+            lowest = min(lowest, ema)
+            if ema - lowest > q * lowest:
+                guard = min(guard, 0.05 / max((ema - lowest) / losses[0], 1e-12))
+            expected.append(guard)
+        opt = rule.opt_fn(theta)
+        step, state = jax.jit(opt.step), opt.init(PARAMS, num_steps=len(losses))
+        guards = []
+        for i, loss in enumerate(losses):
+            _, state = step(state, _grad(state.params, i), loss=jnp.float32(loss))
+            guards.append(float(state.guard))
+        np.testing.assert_allclose(guards, expected, rtol=1e-5)
+        if q == 0.0:
+            assert guards[40] < 0.7  # the 30% climb on a loss of 1 brakes the step
+        else:
+            assert guards[40] == 1.0 and guards[-1] < 0.3  # it passes; the fivefold climb does not
+    with pytest.raises(ValueError, match="loss_guard_relative"):
+        NormalizedMLPLOpt(loss_guard_relative=1.0)  # no brake to relax
+    with pytest.raises(ValueError, match="loss_guard_relative"):
+        NormalizedMLPLOpt(loss_guard=0.05, loss_guard_relative=-1.0)
+
+
 def test_braked_weight_decay_rises_from_weight_decay_as_the_brake_engages():
     """The decay is ``wd + (w - wd) * (1 - guard)``: ``wd`` while unbraked, near ``w`` once stopped."""
     losses = [2.0] + [0.2] * 30 + [1.0] * 10  # falls, then climbs: the guard falls below 0.5

@@ -28,6 +28,9 @@ on the step size for runs longer than meta-training's: with ``c`` the loss
 EMA's climb above its lowest value so far, in units of the first loss,
 ``guard = min over the run so far of min(1, g / c)``, so a climb of ``2 g``
 halves every later step (one that never climbs by ``g`` is untouched).
+``loss_guard_relative`` (``q``) also lets through a climb of at most ``q``
+times the lowest EMA: a noisy loss far above zero climbs by ``g`` first
+losses on noise alone, an unstable run by several times its lowest loss.
 ``braked_weight_decay`` raises the decay as the brake engages: a loss that
 climbs late in a run is a rule fitting faster than the task generalizes, and
 a run whose loss never climbs keeps the small decay. Its features, and why:
@@ -184,7 +187,9 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             if lopt.loss_features:
                 shared = jnp.concatenate([shared, loss_features])
         if lopt.loss_guard is not None:
-            lowest_loss_ema, guard = _guarded(state, initial_loss, loss_ema, lopt.loss_guard)
+            lowest_loss_ema, guard = _guarded(
+                state, initial_loss, loss_ema, lopt.loss_guard, lopt.loss_guard_relative
+            )
         if lopt.run_length_feature:
             shared = jnp.concatenate([shared, (jnp.log10(state.num_steps) - 2.0)[None]])
 
@@ -241,18 +246,26 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
 
 
 def _guarded(
-    state: NormalizedMLPLOptState, initial_loss: jax.Array, loss_ema: jax.Array, threshold: float
+    state: NormalizedMLPLOptState,
+    initial_loss: jax.Array,
+    loss_ema: jax.Array,
+    threshold: float,
+    relative: float,
 ) -> tuple[jax.Array, jax.Array]:
     """The next ``lowest_loss_ema`` and ``guard``: the step shrinks as the loss EMA climbs.
 
     The climb is measured in units of the first loss so that the noise of a
     loss near zero (a ratio to the lowest EMA would be huge) does not brake
-    the step. The guard only ever falls: a rule whose loss climbed once at
-    this step size keeps the smaller step for the rest of the run.
+    the step; a climb within ``relative`` times the lowest EMA does not
+    either, so that neither does the noise of a loss far from zero. The
+    guard only ever falls: a rule whose loss climbed once at this step size
+    keeps the smaller step for the rest of the run.
     """
     lowest = jnp.where(state.iteration == 0, loss_ema, jnp.minimum(state.lowest_loss_ema, loss_ema))
-    climb = _finite_or_zero((loss_ema - lowest) / (jnp.abs(initial_loss) + 1e-12))
+    rise = loss_ema - lowest
+    climb = _finite_or_zero(rise / (jnp.abs(initial_loss) + 1e-12))
     allowed = jnp.minimum(1.0, threshold / jnp.maximum(climb, 1e-12))
+    allowed = jnp.where(rise > relative * jnp.abs(lowest), allowed, 1.0)
     return lowest, jnp.minimum(state.guard, allowed)
 
 
@@ -292,6 +305,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         element_clip: float | None = None,
         loss_guard: float | None = None,
         braked_weight_decay: float | None = None,
+        loss_guard_relative: float = 0.0,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -352,6 +366,10 @@ class NormalizedMLPLOpt(LearnedOptimizer):
           braked_weight_decay: ``w`` (needs ``loss_guard``): the decay once the
             brake has stopped the step, ``weight_decay + (w - weight_decay) *
             (1 - guard)`` on the way; ``None``: ``weight_decay`` throughout.
+          loss_guard_relative: ``q`` (with ``loss_guard``): the brake ignores
+            a climb of the loss EMA of at most ``q`` times its lowest value
+            (absolute), so the noise of a loss far above zero does not brake
+            a converging run; 0: every climb counts.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -373,6 +391,11 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             raise ValueError(
                 f"braked_weight_decay must be >= 0 and needs loss_guard, got "
                 f"braked_weight_decay={braked_weight_decay!r}, loss_guard={loss_guard!r}"
+            )
+        if not loss_guard_relative >= 0 or (loss_guard_relative and loss_guard is None):
+            raise ValueError(
+                f"loss_guard_relative must be >= 0 and needs loss_guard when > 0, got "
+                f"loss_guard_relative={loss_guard_relative!r}, loss_guard={loss_guard!r}"
             )
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
@@ -397,6 +420,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.braked_weight_decay = (
             None if braked_weight_decay is None else float(braked_weight_decay)
         )
+        self.loss_guard_relative = float(loss_guard_relative)
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
