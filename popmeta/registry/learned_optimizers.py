@@ -119,6 +119,8 @@ def normalized_mlp(
     loss_guard: PositiveFloat | None = None,
     braked_weight_decay: NonNegativeFloat | None = None,
     loss_guard_relative: NonNegativeFloat = 0.0,
+    fan_in_base: PositiveFloat | None = None,
+    fan_in_power: NonNegativeFloat = 0.5,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -141,6 +143,10 @@ def normalized_mlp(
         engages (weight_decay + (w - weight_decay) * (1 - guard)); none by default.
     loss_guard_relative: q, with loss_guard: the brake ignores a climb of at most q times the
         lowest loss EMA, as a noisy loss far above zero makes; 0: every climb counts.
+    fan_in_base: B: a weight whose fan-in (all axes but the last) is above B steps
+        (B / fan_in) ** fan_in_power of the step size, as wider layers than meta-training's
+        need; none by default.
+    fan_in_power: the power of that factor.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -157,5 +163,7 @@ def normalized_mlp(
         loss_guard=loss_guard,
         braked_weight_decay=braked_weight_decay,
         loss_guard_relative=loss_guard_relative,
+        fan_in_base=fan_in_base,
+        fan_in_power=fan_in_power,
         mlp_dtype=mlp_dtype,
     )

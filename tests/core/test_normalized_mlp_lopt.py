@@ -231,6 +231,38 @@ def test_loss_guard_relative_lets_climbs_within_q_times_the_lowest_ema_through()
         NormalizedMLPLOpt(loss_guard=0.05, loss_guard_relative=-1.0)
 
 
+def test_fan_in_base_shrinks_only_the_steps_of_weights_with_more_inputs_than_the_base():
+    """A weight of fan-in n > B steps (B / n) ** power of the rule's step; the rest as without it."""
+    params = {
+        "wide": jax.random.normal(jax.random.key(2), (256, 10)),
+        "kernel": jax.random.normal(jax.random.key(3), (3, 3, 4, 4)),  # fan-in 36
+        "narrow": jax.random.normal(jax.random.key(4), (64, 32)),
+        "b": jnp.linspace(-1.0, 1.0, 10),
+    }
+    rules = {
+        "plain": NormalizedMLPLOpt(initial_lr=0.02),
+        "sqrt": NormalizedMLPLOpt(initial_lr=0.02, fan_in_base=64.0),
+        "linear": NormalizedMLPLOpt(initial_lr=0.02, fan_in_base=64.0, fan_in_power=1.0),
+    }
+    theta = _random_theta(rules["plain"], 1.0)
+    state = rules["plain"].opt_fn(theta).init(params, num_steps=10)
+    grad = _grad(params, 1)
+    updates = {
+        name: rule.opt_fn(theta).step(state, grad, loss=jnp.float32(1.0))[0]
+        for name, rule in rules.items()
+    }
+    for name, factor in (("sqrt", 0.5), ("linear", 0.25)):
+        np.testing.assert_allclose(
+            updates[name]["wide"], factor * updates["plain"]["wide"], rtol=1e-6
+        )
+        for kept in ("kernel", "narrow", "b"):
+            np.testing.assert_array_equal(updates[name][kept], updates["plain"][kept])
+    with pytest.raises(ValueError, match="fan_in_base"):
+        NormalizedMLPLOpt(fan_in_base=0.0)
+    with pytest.raises(ValueError, match="fan_in_power"):
+        NormalizedMLPLOpt(fan_in_base=64.0, fan_in_power=-0.5)
+
+
 def test_braked_weight_decay_rises_from_weight_decay_as_the_brake_engages():
     """The decay is ``wd + (w - wd) * (1 - guard)``: ``wd`` while unbraked, near ``w`` once stopped."""
     losses = [2.0] + [0.2] * 30 + [1.0] * 10  # falls, then climbs: the guard falls below 0.5

@@ -14,6 +14,8 @@ distribution:
                                                           (loss_guard=g: times guard, below)
     p      <- p - lr * (n + wd * p)                      wd: weight_decay (braked_weight_decay=w:
                                                           wd + (w - wd) * (1 - guard))
+                                                          (fan_in_base=B: lr times
+                                                          min(1, B / fan_in) ** fan_in_power)
 
 Every tensor moves by exactly ``lr`` in root mean square (at most ``lr`` with
 ``step_rms="at_most"``), so no input the MLP never saw can make a step
@@ -33,8 +35,11 @@ times the lowest EMA: a noisy loss far above zero climbs by ``g`` first
 losses on noise alone, an unstable run by several times its lowest loss.
 ``braked_weight_decay`` raises the decay as the brake engages: a loss that
 climbs late in a run is a rule fitting faster than the task generalizes, and
-a run whose loss never climbs keeps the small decay. Its features, and why:
-docs/generalist.md.
+a run whose loss never climbs keeps the small decay. ``fan_in_base`` shrinks
+the step of a tensor with more inputs than the rule met in meta-training: an
+RMS-normalized step moves a layer's output by about the step size times its
+fan-in, so a wider layer takes a larger step in what it computes. Its
+features, and why: docs/generalist.md.
 """
 
 from __future__ import annotations
@@ -232,7 +237,7 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
                 normalized = jnp.clip(normalized, -lopt.element_clip, lopt.element_clip)
             if lopt.weight_decay or lopt.braked_weight_decay:
                 normalized = normalized + weight_decay * p
-            return -(lr * normalized).astype(p.dtype)
+            return -(lr * _fan_in_factor(lopt, p.shape) * normalized).astype(p.dtype)
 
         updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
         following = state._replace(
@@ -267,6 +272,19 @@ def _guarded(
     allowed = jnp.minimum(1.0, threshold / jnp.maximum(climb, 1e-12))
     allowed = jnp.where(rise > relative * jnp.abs(lowest), allowed, 1.0)
     return lowest, jnp.minimum(state.guard, allowed)
+
+
+def _fan_in_factor(lopt: NormalizedMLPLOpt, shape: tuple[int, ...]) -> float:
+    """``min(1, fan_in_base / fan_in) ** fan_in_power`` for a tensor of ``shape``; 1 without a base.
+
+    The fan-in of a weight (two or more axes) is the product of all but its
+    last axis: a dense ``[in, out]`` matrix's ``in``, a ``[k, k, C, C_out]``
+    kernel's ``k * k * C``. A bias or scalar has none and keeps its step.
+    """
+    if lopt.fan_in_base is None or len(shape) < 2:
+        return 1.0
+    fan_in = float(np.prod(shape[:-1]))
+    return min(1.0, lopt.fan_in_base / fan_in) ** lopt.fan_in_power
 
 
 def _schedule_mlp(theta: Params, x: jax.Array) -> jax.Array:
@@ -306,6 +324,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         loss_guard: float | None = None,
         braked_weight_decay: float | None = None,
         loss_guard_relative: float = 0.0,
+        fan_in_base: float | None = None,
+        fan_in_power: float = 0.5,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -370,6 +390,13 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             a climb of the loss EMA of at most ``q`` times its lowest value
             (absolute), so the noise of a loss far above zero does not brake
             a converging run; 0: every climb counts.
+          fan_in_base: ``B``: a weight with fan-in above ``B`` (the product
+            of all its axes but the last) steps ``(B / fan_in) **
+            fan_in_power`` of the step size; biases, scalars and weights of
+            fan-in at most ``B`` keep it. ``None``: every tensor steps the
+            step size. Hand-designed, not meta-trained.
+          fan_in_power: the power of that factor (0.5: a fourfold fan-in
+            halves the step).
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -397,6 +424,10 @@ class NormalizedMLPLOpt(LearnedOptimizer):
                 f"loss_guard_relative must be >= 0 and needs loss_guard when > 0, got "
                 f"loss_guard_relative={loss_guard_relative!r}, loss_guard={loss_guard!r}"
             )
+        if fan_in_base is not None and not fan_in_base > 0:
+            raise ValueError(f"fan_in_base must be > 0 or None, got {fan_in_base!r}")
+        if not fan_in_power >= 0:
+            raise ValueError(f"fan_in_power must be >= 0, got {fan_in_power!r}")
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
@@ -421,6 +452,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             None if braked_weight_decay is None else float(braked_weight_decay)
         )
         self.loss_guard_relative = float(loss_guard_relative)
+        self.fan_in_base = None if fan_in_base is None else float(fan_in_base)
+        self.fan_in_power = float(fan_in_power)
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
