@@ -155,16 +155,22 @@ def test_element_clip_bounds_one_parameters_step_and_leaves_adams_own_alone():
         NormalizedMLPLOpt(element_clip=0.0)
 
 
-def test_loss_guard_brakes_every_later_step_by_the_largest_climb_and_never_releases():
-    """guard = min over the run of min(1, g / c), c the loss EMA's climb above its lowest, in first losses."""
-    losses = [2.0] + [0.2] * 30 + [1.0] * 10 + [0.2] * 10  # falls, climbs, falls again
-    ema, lowest, expected = losses[0], losses[0], []
-    guard = 1.0
+def _reference_guards(losses: list[float], threshold: float, relative: float = 0.0) -> list[float]:
+    """The brake's guard after each loss, from its definition (positive losses)."""
+    ema, lowest, guard, guards = losses[0], losses[0], 1.0, []
     for i, loss in enumerate(losses):
         ema = ema if i == 0 else 0.9 * ema + 0.1 * loss  # the state's EMA, this step's loss in it
         lowest = min(lowest, ema)
-        guard = min(guard, 1.0, 0.05 / max((ema - lowest) / losses[0], 1e-12))
-        expected.append(guard)
+        if ema - lowest > relative * lowest:
+            guard = min(guard, threshold / ((ema - lowest) / losses[0]))
+        guards.append(guard)
+    return guards
+
+
+def test_loss_guard_brakes_every_later_step_by_the_largest_climb_and_never_releases():
+    """guard = min over the run of min(1, g / c), c the loss EMA's climb above its lowest, in first losses."""
+    losses = [2.0] + [0.2] * 30 + [1.0] * 10 + [0.2] * 10  # falls, climbs, falls again
+    expected = _reference_guards(losses, 0.05)
     assert expected[30] == 1.0 and expected[40] < 0.5 and expected[-1] == expected[40]
 
     plain, guarded = (
@@ -207,13 +213,7 @@ def test_loss_guard_relative_lets_climbs_within_q_times_the_lowest_ema_through()
     }
     theta = _random_theta(rules[0.0], 1.0)
     for q, rule in rules.items():
-        ema, lowest, guard, expected = losses[0], losses[0], 1.0, []
-        for i, loss in enumerate(losses):
-            ema = ema if i == 0 else 0.9 * ema + 0.1 * loss
-            lowest = min(lowest, ema)
-            if ema - lowest > q * lowest:
-                guard = min(guard, 0.05 / max((ema - lowest) / losses[0], 1e-12))
-            expected.append(guard)
+        expected = _reference_guards(losses, 0.05, relative=q)
         opt = rule.opt_fn(theta)
         step, state = jax.jit(opt.step), opt.init(PARAMS, num_steps=len(losses))
         guards = []
