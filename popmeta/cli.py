@@ -319,6 +319,9 @@ def _command(args: argparse.Namespace) -> int:
         if getattr(args, "address", None):
             overrides.append(f"population.address={args.address}")
         config = load_config(args.config, overrides)
+        from popmeta.experiment import check_kinds_build
+
+        check_kinds_build(config)
     except (ConfigError, OSError) as err:
         return _fail(str(err), EX_USAGE)
     if args.command == "validate":

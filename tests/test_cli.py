@@ -332,6 +332,10 @@ def test_validate_prints_the_resolved_config(capsys):
             ["estimator.kind", "truncation.kind"],
         ),
         (["population.engine=local", "population.mode=async"], ["population.mode"]),
+        (  # fields a kind checks against each other, when it is built
+            ["learned_optimizer.kind=normalized_mlp", "learned_optimizer.loss_guard_relative=0.5"],
+            ["learned_optimizer", "loss_guard_relative", "needs loss_guard"],
+        ),
     ],
 )
 def test_bad_overrides_fail_before_anything_starts(

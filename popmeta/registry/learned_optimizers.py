@@ -146,7 +146,7 @@ def normalized_mlp(
     fan_in_base: B: a weight whose fan-in (all axes but the last) is above B steps
         (B / fan_in) ** fan_in_power of the step size, as wider layers than meta-training's
         need; none by default.
-    fan_in_power: the power of that factor.
+    fan_in_power: the power of that factor (another value than 0.5 needs fan_in_base).
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(

@@ -261,6 +261,8 @@ def test_fan_in_base_shrinks_only_the_steps_of_weights_with_more_inputs_than_the
         NormalizedMLPLOpt(fan_in_base=0.0)
     with pytest.raises(ValueError, match="fan_in_power"):
         NormalizedMLPLOpt(fan_in_base=64.0, fan_in_power=-0.5)
+    with pytest.raises(ValueError, match="fan_in_power"):
+        NormalizedMLPLOpt(fan_in_power=1.0)  # no base: the power would be ignored
 
 
 def test_braked_weight_decay_rises_from_weight_decay_as_the_brake_engages():

@@ -396,7 +396,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             fan-in at most ``B`` keep it. ``None``: every tensor steps the
             step size. Hand-designed, not meta-trained.
           fan_in_power: the power of that factor (0.5: a fourfold fan-in
-            halves the step).
+            halves the step); another value needs ``fan_in_base``.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -426,8 +426,11 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             )
         if fan_in_base is not None and not fan_in_base > 0:
             raise ValueError(f"fan_in_base must be > 0 or None, got {fan_in_base!r}")
-        if not fan_in_power >= 0:
-            raise ValueError(f"fan_in_power must be >= 0, got {fan_in_power!r}")
+        if not fan_in_power >= 0 or (fan_in_power != 0.5 and fan_in_base is None):
+            raise ValueError(
+                f"fan_in_power must be >= 0 and needs fan_in_base when not 0.5, got "
+                f"fan_in_power={fan_in_power!r}, fan_in_base={fan_in_base!r}"
+            )
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
                 f"external_schedule must be one of {sorted(EXTERNAL_SCHEDULES)}, "
