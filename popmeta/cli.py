@@ -319,9 +319,10 @@ def _command(args: argparse.Namespace) -> int:
         if getattr(args, "address", None):
             overrides.append(f"population.address={args.address}")
         config = load_config(args.config, overrides)
-        from popmeta.experiment import check_kinds_build
+        if args.command == "validate":
+            from popmeta.experiment import build_experiment
 
-        check_kinds_build(config)
+            build_experiment(config)  # what train checks before it starts anything
     except (ConfigError, OSError) as err:
         return _fail(str(err), EX_USAGE)
     if args.command == "validate":

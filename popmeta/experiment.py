@@ -49,7 +49,6 @@ __all__ = [
     "build_task_family",
     "build_truncated_step",
     "build_truncation_schedule",
-    "check_kinds_build",
     "initial_theta",
     "learner_keys",
     "learner_start",
@@ -236,19 +235,6 @@ def build_outer_optimizer(cfg: OuterOptimizerConfig) -> list[optax.GradientTrans
     """The outer optimizer's transformations, to chain after the learner's gradient clipping."""
     built = _build(cfg)
     return list(built) if isinstance(built, list) else [built]
-
-
-def check_kinds_build(cfg: Config) -> None:
-    """Builds the learned optimizer, truncation schedule and outer optimizer of ``cfg``.
-
-    Their kinds check their fields against each other (a brake's option
-    without the brake) only when built: this makes a bad combination fail
-    when the config is read, by ``popmeta validate`` as by ``train``, not
-    once workers start. Raises ConfigError naming the section.
-    """
-    build_learned_optimizer(cfg.learned_optimizer)
-    build_truncation_schedule(cfg.truncation)
-    build_outer_optimizer(cfg.outer_optimizer)
 
 
 def build_truncated_step(

@@ -332,10 +332,6 @@ def test_validate_prints_the_resolved_config(capsys):
             ["estimator.kind", "truncation.kind"],
         ),
         (["population.engine=local", "population.mode=async"], ["population.mode"]),
-        (  # fields a kind checks against each other, when it is built
-            ["learned_optimizer.kind=normalized_mlp", "learned_optimizer.loss_guard_relative=0.5"],
-            ["learned_optimizer", "loss_guard_relative", "needs loss_guard"],
-        ),
     ],
 )
 def test_bad_overrides_fail_before_anything_starts(
@@ -352,6 +348,21 @@ def test_bad_overrides_fail_before_anything_starts(
         assert main([command, *args]) == 2
         err = capsys.readouterr().err
         for message in messages:
+            assert message in err, (command, err)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_fields_a_kind_checks_against_each_other_fail_validate_as_they_fail_train(
+    tmp_path, monkeypatch, capsys
+):
+    """A kind's own checks across its fields run when it is built: validate builds what train does."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--set", "learned_optimizer.kind=normalized_mlp"]
+    args += ["--set", "learned_optimizer.loss_guard_relative=0.5"]  # without loss_guard
+    for command in ("validate", "train"):
+        assert main([command, *args]) == 2
+        err = capsys.readouterr().err
+        for message in ("learned_optimizer", "loss_guard_relative", "needs loss_guard"):
             assert message in err, (command, err)
     assert not (tmp_path / "runs").exists()
 
