@@ -3,7 +3,9 @@
 Run: ``python bench/estimators.py [--seconds 5] [--configs a,b,c,d] [--compare-with DIR]``;
 ``--configs c,c-bf16-mlp,c-bf16,e,e-bf16-mlp,e-bf16`` sets float32 against bfloat16
 (the learned optimizer's MLP, then the task's products too) on (c) and on a
-larger MLP, (e).
+larger MLP, (e). Any configuration with ``-split`` added (``c-split``) runs
+with one CPU device per core of this process and its tasks split over them,
+as ``population.cpu_devices`` does.
 
 Each configuration runs in its own subprocess (so its peak RSS is its own):
 the estimator's jitted truncation plus the learner's jitted, donating outer
@@ -125,18 +127,25 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     import numpy as np
     import optax
 
+    from popmeta.core.estimators import make_runner
     from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
 
     lopt, estimator = build_config(name, num_tasks)
+    # A worker's runner; ``-split`` shards the tasks over the local devices, as a
+    # worker does when it sees several.
+    runner = make_runner(estimator, jax.local_devices() if name.endswith(SPLIT) else None)
     theta = lopt.init(jax.random.key(0))
     flops_per_step = _flops_per_inner_step(name, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
     apply = build_apply_estimates_fn(donate_params_and_state=True)
     # Weights passed explicitly: a tree from before they were optional runs this script too.
     one_estimate = np.ones(1, np.float32)
-    worker = estimator.init_worker_state(train_state.params, jax.random.key(2))
+    worker = runner.init_worker_state(train_state.params, jax.random.key(2))
 
-    lowered = jax.jit(estimator.estimate).lower(train_state.params, worker, jax.random.key(0))
+    # Per device where the tasks are split.
+    lowered = runner.jitted_estimate(1).lower(
+        train_state.params, worker, jax.random.key(0), None, None
+    )
     memory = lowered.compile().memory_analysis()
     temp_mb = getattr(memory, "temp_size_in_bytes", 0) / 2**20 if memory else float("nan")
 
@@ -144,13 +153,15 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     # eager jax.random.key(i) costs several dispatches (0.1-0.2 ms on 2 cores).
     root_key, call_key = jax.random.key(0), jax.jit(jax.random.fold_in)
 
+    learner_device = jax.devices()[0]
+
     def one(i):
         nonlocal worker, train_state
-        out, _ = estimator.compute_gradient_estimate(
-            train_state.params, worker, call_key(root_key, i)
-        )
+        out, _ = runner.compute_gradient_estimate(train_state.params, worker, call_key(root_key, i))
         worker = out.state
-        train_state, _, _ = apply(train_state, [out.grad], one_estimate)
+        # The learner's device gets the estimate, as a learner receives a worker's.
+        grad = jax.device_put(out.grad, learner_device)
+        train_state, _, _ = apply(train_state, [grad], one_estimate)
 
     for i in range(3):
         one(i)
@@ -174,6 +185,7 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
         "inner_steps_per_s": steps_per_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "xla_temp_mb": temp_mb,
+        "devices": runner.num_devices,
         "flops_per_inner_step": flops_per_step,
         # What XLA compiled with (``import popmeta`` may add flags: popmeta.xla_flags).
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -195,9 +207,32 @@ def matmul_peak_gflops(n: int = 1024, seconds: float = 2.0, dtype: str = "float3
     return count * 2 * n**3 / (time.perf_counter() - start) / 1e9
 
 
+SPLIT = "-split"
+
+
+def describe(name: str) -> str:
+    """What configuration ``name`` (``-split`` allowed) measures; SystemExit if unknown."""
+    base = name.removesuffix(SPLIT)
+    if base not in CONFIGS:
+        raise SystemExit(
+            f"--configs: unknown configuration {name!r}; known: {','.join(CONFIGS)}, "
+            f"each also with {SPLIT}"
+        )
+    return CONFIGS[base] + (", tasks split over CPU devices" if name != base else "")
+
+
+def host_devices_per_process() -> int:
+    """CPU devices a ``-split`` configuration runs on: one per core this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _run_config(name: str, seconds: float, tree: Path | None, num_tasks: int = NUM_TASKS) -> dict:
     """One configuration in a fresh interpreter, importing popmeta from ``tree`` if given."""
     env = dict(os.environ)
+    if name.endswith(SPLIT):
+        # XLA reads the device count once, when JAX starts in the subprocess.
+        count = f"--xla_force_host_platform_device_count={host_devices_per_process()}"
+        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), count]))
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     command = [sys.executable, __file__, "--one", name]
@@ -238,20 +273,17 @@ def main() -> None:
         f"device: {jax.devices()[0].device_kind}, dense matmul peak (1024x1024): float32 "
         f"{peaks['float32']:.1f} GFLOP/s, bfloat16 (float32 sums) {peaks['bfloat16']:.1f} GFLOP/s"
     )
-    header = f"{'config':<50} {'inner-steps/s':>13} {'peak RSS MB':>11} {'XLA temp MB':>11} {'GFLOP/s':>8} {'of peak':>7}"
+    header = f"{'config':<72} {'inner-steps/s':>13} {'peak RSS MB':>11} {'XLA temp MB':>11} {'GFLOP/s':>8} {'of peak':>7}"
     if args.compare_with is not None:
         header += f" {'other tree':>13} {'ratio':>6}"
     print(header)
-    flags_seen: dict[str, str] = {}
+    flags_seen: dict[tuple[str, str], list[str]] = {}  # (tree, XLA_FLAGS) -> configurations
     for name in args.configs.split(","):
-        if name not in CONFIGS:
-            raise SystemExit(
-                f"--configs: unknown configuration {name!r}; known: {','.join(CONFIGS)}"
-            )
+        description = describe(name)
         if args.compare_with is None:
             r = _run_config(name, args.seconds, None, args.tasks)
             other = None
-            flags_seen["this tree"] = r["xla_flags"]
+            flags_seen.setdefault(("this tree", r["xla_flags"]), []).append(name)
         else:
             runs, others = [], []
             for _ in range(args.repeats):
@@ -262,21 +294,22 @@ def main() -> None:
                 "peak_rss_mb": max(x["peak_rss_mb"] for x in runs),
             }
             other = statistics.median(x["inner_steps_per_s"] for x in others)
-            flags_seen |= {"this tree": runs[0]["xla_flags"], "other tree": others[0]["xla_flags"]}
+            flags_seen.setdefault(("this tree", runs[0]["xla_flags"]), []).append(name)
+            flags_seen.setdefault(("the other tree", others[0]["xla_flags"]), []).append(name)
         flops = r["flops_per_inner_step"]
         achieved = None if flops is None else r["inner_steps_per_s"] * flops / 1e9
         gflops = "-" if achieved is None else f"{achieved:.1f}"
         peak = peaks["bfloat16" if "-bf16" in name else "float32"]
         share = "-" if achieved is None else f"{100 * achieved / peak:.0f}%"
         line = (
-            f"{'(' + name + ') ' + CONFIGS[name]:<50} {r['inner_steps_per_s']:>13,.0f} "
+            f"{'(' + name + ') ' + description:<72} {r['inner_steps_per_s']:>13,.0f} "
             f"{r['peak_rss_mb']:>11.0f} {r['xla_temp_mb']:>11.2f} {gflops:>8} {share:>7}"
         )
         if other is not None:
             line += f" {other:>13,.0f} {r['inner_steps_per_s'] / other:>5.2f}x"
         print(line, flush=True)
-    for tree, flags in flags_seen.items():
-        print(f"XLA_FLAGS in {tree}'s runs: {flags or '(none)'}")
+    for (tree, flags), names in flags_seen.items():
+        print(f"XLA_FLAGS in {tree}'s runs of {','.join(names)}: {flags or '(none)'}")
 
 
 if __name__ == "__main__":

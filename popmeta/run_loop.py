@@ -38,7 +38,12 @@ from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.base import Population
 from popmeta.population.call_size import size_calls
-from popmeta.population.engines import PopulationFactory, describe_placement, open_population
+from popmeta.population.engines import (
+    PopulationFactory,
+    describe_placement,
+    open_population,
+    prepare_driver,
+)
 from popmeta.progress import Progress
 from popmeta.run_checkpoints import RunCheckpoints
 from popmeta.run_dir import RunDirectory, RunWriteError
@@ -141,8 +146,9 @@ def train(
         :meth:`~popmeta.run_dir.RunDirectory.take_over_from`).
 
     Raises:
-      ConfigError: a data file the config names is missing or malformed, or
-        the workers cannot fit in memory.
+      ConfigError: a data file the config names is missing or malformed, the
+        workers cannot fit in memory, or JAX already started in this process
+        with other CPU devices than the local engine's ``cpu_devices``.
       RunDirectoryError: the run directory holds another experiment, is in use
         by a live run, cannot be written, its checkpoint does not fit, or
         every checkpoint in it is damaged.
@@ -153,6 +159,7 @@ def train(
         could not be built or kept up (:mod:`popmeta.population.supervisor`).
     """
     stream = stream or sys.stdout
+    prepare_driver(config.population)
     run = RunDirectory(config.run_dir, config.name)
     with StopSignals() as stop:
         try:

@@ -1,4 +1,4 @@
-"""XLA flags that let small inner loops run as one compiled CPU kernel.
+"""XLA flags for CPU: small inner loops as one compiled kernel, and the device count.
 
 XLA's CPU runtime runs a ``lax.scan`` as a ``while`` thunk that launches its
 body's operations one by one every iteration, so an ES truncation on a small
@@ -12,6 +12,13 @@ differ in the last bits. ``import popmeta`` calls it; the flags apply only if
 nothing has run a JAX computation before, reach Ray's actors, never override
 a flag the user set in ``XLA_FLAGS``, and ``POPMETA_XLA_FLAGS=0`` turns them
 off. Measurements: docs/performance.md, "Why it is fast".
+
+:func:`with_host_devices` and :func:`use_host_devices` set how many CPU
+devices JAX starts with (``population.cpu_devices``), over which a worker
+splits its tasks: on a CPU, XLA runs the operations of one device's program
+one after another and spreads only some of them over the cores, so a
+compute-bound estimate runs faster as one program per core (docs/performance.md,
+"Tasks split over CPU devices").
 """
 
 from __future__ import annotations
@@ -20,7 +27,15 @@ import os
 from collections.abc import Mapping, MutableMapping
 from types import MappingProxyType
 
-__all__ = ["CPU_FLAGS", "SMALL_LOOP_BYTES", "use_xla_cpu_flags"]
+__all__ = [
+    "CPU_FLAGS",
+    "HOST_DEVICE_COUNT_FLAG",
+    "SMALL_LOOP_BYTES",
+    "host_device_count",
+    "use_host_devices",
+    "use_xla_cpu_flags",
+    "with_host_devices",
+]
 
 # About three times the bytes of the largest loop measured to gain from it (a
 # PES truncation of MLPLOpt on 8 ten-dimensional quadratics: 0.2-0.4 MB); the
@@ -28,6 +43,9 @@ __all__ = ["CPU_FLAGS", "SMALL_LOOP_BYTES", "use_xla_cpu_flags"]
 SMALL_LOOP_BYTES = 1 << 20
 
 OPT_OUT_VARIABLE = "POPMETA_XLA_FLAGS"
+
+#: The XLA flag that sets how many CPU devices JAX starts with.
+HOST_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 #: The flags, by name, with their values.
@@ -73,3 +91,63 @@ def use_xla_cpu_flags(environ: MutableMapping[str, str] | None = None) -> bool:
     if added:
         environ["XLA_FLAGS"] = " ".join(current + added)
     return True
+
+
+def host_device_count(xla_flags: str) -> int | None:
+    """The CPU device count ``xla_flags`` (an ``XLA_FLAGS`` value) sets, or None if it sets none.
+
+    Raises:
+      ValueError: if it sets one that is not a whole number.
+    """
+    count = None
+    for flag in xla_flags.split():
+        name, _, value = flag.partition("=")
+        if name == HOST_DEVICE_COUNT_FLAG:
+            try:
+                count = int(value)
+            except ValueError:
+                raise ValueError(f"XLA_FLAGS: {flag!r} is not a whole number of devices") from None
+    return count
+
+
+def with_host_devices(xla_flags: str, count: int) -> str:
+    """``xla_flags`` (an ``XLA_FLAGS`` value) with JAX starting ``count`` CPU devices.
+
+    Unchanged when it already sets ``count``.
+
+    Raises:
+      ValueError: if it already sets another count.
+    """
+    current = host_device_count(xla_flags)
+    if current == count:
+        return xla_flags
+    if current is not None:
+        raise ValueError(
+            f"XLA_FLAGS sets {HOST_DEVICE_COUNT_FLAG}={current}, and population.cpu_devices is "
+            f"{count}; remove the flag or set population.cpu_devices: {current}"
+        )
+    return " ".join(filter(None, [xla_flags, f"{HOST_DEVICE_COUNT_FLAG}={count}"]))
+
+
+def use_host_devices(count: int, environ: MutableMapping[str, str] | None = None) -> None:
+    """Makes JAX start this process with ``count`` CPU devices, or checks that it did.
+
+    Raises:
+      ValueError: if ``XLA_FLAGS`` sets another count, or if JAX already
+        started in this process with another number of CPU devices (it reads
+        ``XLA_FLAGS`` once, when it starts).
+    """
+    environ = os.environ if environ is None else environ
+    if not _backends_started():
+        environ["XLA_FLAGS"] = with_host_devices(environ.get("XLA_FLAGS", ""), count)
+        return
+    import jax
+
+    started = len(jax.devices("cpu"))
+    if started != count:
+        raise ValueError(
+            f"population.cpu_devices is {count}, but JAX already started in this process with "
+            f"{started} CPU device(s), and sets their number only when it starts: run "
+            f"`popmeta train`, or set XLA_FLAGS={HOST_DEVICE_COUNT_FLAG}={count} before "
+            "starting Python"
+        )

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -365,6 +366,32 @@ def test_fields_a_kind_checks_against_each_other_fail_validate_as_they_fail_trai
         for message in ("learned_optimizer", "loss_guard_relative", "needs loss_guard"):
             assert message in err, (command, err)
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_local_engine_splits_its_tasks_over_the_cpu_devices_it_asks_for(
+    tmp_path, monkeypatch, capsys
+):
+    args = [str(REPO / "configs" / "quickstart.yaml"), *SMALL, "--set", "train.num_steps=10"]
+    args += ["--set", "population.engine=local", "--set", "population.cpu_devices=2"]
+    args += ["--set", "eval.after_training=false"]
+    # A fresh process: the driver starts JAX with two CPU devices.
+    result = popmeta("train", *args, "--set", "name=split", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert re.search(
+        r"^2 worker\(s\) in this process, .*\(local engine\), tasks split over 2 devices$",
+        result.stdout,
+        re.M,
+    ), result.stdout
+    assert "step 10/10" in result.stderr
+    assert list_checkpoints(tmp_path / "runs" / "split" / "checkpoints")
+    # Once JAX runs in a process, its device count is fixed: refused, naming the field.
+    jax.numpy.zeros(1).block_until_ready()
+    assert len(jax.devices("cpu")) == 1
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *args, "--set", "name=late"]) == 2
+    err = capsys.readouterr().err
+    assert "population.cpu_devices is 2, but JAX already started in this process" in err, err
+    assert not (tmp_path / "runs" / "late").exists()
 
 
 def test_version(capsys):

@@ -276,6 +276,28 @@ def test_compiled_graph_is_refused_outside_sync_mode():
     assert load_config(None, ["population.compiled_graph=true"]).population.compiled_graph
 
 
+def test_cpu_devices_must_split_the_tasks_evenly_and_agree_with_xla_flags():
+    ok = load_config(None, ["estimator.num_tasks=6", "population.cpu_devices=3"])
+    assert ok.population.cpu_devices == 3 and load_config(None).population.cpu_devices is None
+    with pytest.raises(
+        ConfigError,
+        match=r"population\.cpu_devices: .*estimator\.num_tasks \(6\) must be a multiple of "
+        r"cpu_devices \(4\)",
+    ):
+        load_config(None, ["estimator.num_tasks=6", "population.cpu_devices=4"])
+    with pytest.raises(ConfigError, match=r"population\.cpu_devices: must be a number of devices"):
+        load_config(None, ["population.cpu_devices=0"])
+    with pytest.raises(ConfigError, match=r"population\.cpu_devices: .*shard_tasks: false forbids"):
+        load_config(None, ["population.cpu_devices=2", "population.shard_tasks=false"])
+    flags = "{XLA_FLAGS: --xla_force_host_platform_device_count=4}"
+    with pytest.raises(
+        ConfigError,
+        match=r"population\.env: XLA_FLAGS sets --xla_force_host_platform_device_count=4, and "
+        r"population\.cpu_devices is 2",
+    ):
+        load_config(None, ["population.cpu_devices=2", f"population.env={flags}"])
+
+
 def test_range_checks_apply_to_direct_construction():
     with pytest.raises(ConfigError, match=r"estimator\.std: must be > 0"):
         Config(estimator=EstimatorConfig(options={"std": 0.0}))

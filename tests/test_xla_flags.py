@@ -15,7 +15,14 @@ import jax
 import numpy as np
 import pytest
 
-from popmeta.xla_flags import CPU_FLAGS, OPT_OUT_VARIABLE, use_xla_cpu_flags
+from popmeta.xla_flags import (
+    CPU_FLAGS,
+    HOST_DEVICE_COUNT_FLAG,
+    OPT_OUT_VARIABLE,
+    use_host_devices,
+    use_xla_cpu_flags,
+    with_host_devices,
+)
 
 # A loop with a matrix product whose buffers (several KiB) are over XLA's
 # default 1 KiB limit for compiling a loop as one kernel.
@@ -138,3 +145,31 @@ def test_a_pes_estimate_is_the_same_as_one_kernel():
     np.testing.assert_allclose(
         fused_grads, plain_grads, rtol=1e-4, atol=1e-6 * np.abs(plain_grads).max()
     )
+
+
+def test_host_devices_are_added_to_the_flags_and_a_conflicting_count_is_named():
+    assert with_host_devices("", 2) == f"{HOST_DEVICE_COUNT_FLAG}=2"
+    assert with_host_devices("--xla_cpu_enable_fast_math=false", 3).split() == [
+        "--xla_cpu_enable_fast_math=false",
+        f"{HOST_DEVICE_COUNT_FLAG}=3",
+    ]
+    already = f"--xla_cpu_enable_fast_math=false {HOST_DEVICE_COUNT_FLAG}=2"
+    assert with_host_devices(already, 2) == already
+    with pytest.raises(ValueError, match=rf"XLA_FLAGS sets {HOST_DEVICE_COUNT_FLAG}=2, and "):
+        with_host_devices(already, 4)
+    with pytest.raises(ValueError, match="not a whole number of devices"):
+        with_host_devices(f"{HOST_DEVICE_COUNT_FLAG}=two", 2)
+
+
+def test_the_driver_starts_its_host_devices_before_jax_and_refuses_after():
+    out = _python(
+        "import json, jax, popmeta\n"
+        "popmeta.xla_flags.use_host_devices(2)\n"
+        "print(json.dumps({'devices': len(jax.devices('cpu'))}))"
+    )
+    assert out["devices"] == 2
+    # This process started JAX long ago, with one CPU device.
+    jax.numpy.zeros(1).block_until_ready()
+    use_host_devices(len(jax.devices("cpu")))
+    with pytest.raises(ValueError, match=r"population\.cpu_devices is 3, but JAX already started"):
+        use_host_devices(3)

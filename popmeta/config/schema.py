@@ -140,6 +140,12 @@ class Config:
                 f"estimator.num_tasks is {est.num_tasks}; raise estimator.num_tasks or name "
                 "fewer families",
             )
+        if pop.cpu_devices is not None and est.num_tasks % pop.cpu_devices:
+            yield (
+                "population.cpu_devices",
+                f"the tasks are split evenly over the devices: estimator.num_tasks "
+                f"({est.num_tasks}) must be a multiple of cpu_devices ({pop.cpu_devices})",
+            )
         defaults = PopulationConfig()
         if pop.engine == "local":
             for name in _RAY_ENGINE_FIELDS:

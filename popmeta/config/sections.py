@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from popmeta.config.kind_sections import TaskConfig
 from popmeta.config.values import Problem, non_negative, positive
+from popmeta.xla_flags import with_host_devices
 
 __all__ = ["EvalConfig", "PopulationConfig", "TrainConfig"]
 
@@ -53,6 +54,12 @@ class PopulationConfig:
         module found only beside the config file is added to ``py_modules``.
       shard_tasks: an actor that sees several local devices shards its tasks over
         them (``estimator.num_tasks`` must then be a multiple of their number).
+      cpu_devices: CPU devices JAX starts with in each process that computes
+        estimates (every actor, or the driver with the local engine), the
+        tasks split over them; null: JAX's own count (one, unless
+        ``XLA_FLAGS`` says otherwise). One per core of such a process runs a
+        compute-bound estimate faster, and a small problem's slower
+        (docs/performance.md, "Tasks split over CPU devices").
       call_timeout_s: longest wait for an actor to start (build its worker and
         compile), and for one call before the population's calls are timed.
       call_timeout_factor: a busy actor silent for this many times the slowest
@@ -85,6 +92,7 @@ class PopulationConfig:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     runtime_env: dict[str, Any] = dataclasses.field(default_factory=dict)
     shard_tasks: bool = True
+    cpu_devices: int | None = None
     call_timeout_s: float = 600.0
     call_timeout_factor: float = 10.0
     min_call_timeout_s: float = 10.0
@@ -104,6 +112,21 @@ class PopulationConfig:
         if self.compiled_graph and self.mode != "sync":
             yield "compiled_graph", "works in mode: sync only (async calls queue up on the actors)"
         yield from non_negative(self, "max_staleness", "num_cpus", "num_gpus", "max_actor_restarts")
+        if self.cpu_devices is not None and self.cpu_devices < 1:
+            yield (
+                "cpu_devices",
+                f"must be a number of devices >= 1, or null; got {self.cpu_devices!r}",
+            )
+        elif self.cpu_devices is not None:
+            if not self.shard_tasks:
+                yield (
+                    "cpu_devices",
+                    "splits the tasks over devices, which shard_tasks: false forbids",
+                )
+            try:
+                with_host_devices(self.env.get("XLA_FLAGS", ""), self.cpu_devices)
+            except ValueError as err:
+                yield "env", str(err)
         if self.one_actor_per_node_with is not None and not self.one_actor_per_node_with:
             yield "one_actor_per_node_with", "must be a resource name or null"
         for name, amount in self.resources.items():

@@ -14,17 +14,35 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from popmeta.actors.records import ActorInfo
-from popmeta.config import PopulationConfig
+from popmeta.config import ConfigError, PopulationConfig
 from popmeta.experiment import WorkerSpec
 from popmeta.population.base import Population
 from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation, job_runtime_env
 from popmeta.population.ray_runtime import start_ray_for
+from popmeta.xla_flags import use_host_devices
 
-__all__ = ["PopulationFactory", "describe_placement", "open_population"]
+__all__ = ["PopulationFactory", "describe_placement", "open_population", "prepare_driver"]
 
 #: Builds a population from the ``population`` section and the workers' spec.
 PopulationFactory = Callable[[PopulationConfig, WorkerSpec], Population]
+
+
+def prepare_driver(population: PopulationConfig) -> None:
+    """Sets up the driver's JAX for the engine; call it before the driver runs JAX.
+
+    The local engine computes the estimates in the driver, so the driver
+    starts ``cpu_devices`` CPU devices (actors start theirs themselves).
+
+    Raises:
+      ConfigError: if JAX already started in the driver with another number
+        of CPU devices, or ``XLA_FLAGS`` sets another.
+    """
+    if population.engine == "local" and population.cpu_devices is not None:
+        try:
+            use_host_devices(population.cpu_devices)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 @contextlib.contextmanager
@@ -66,13 +84,19 @@ def open_population(
 
 def describe_placement(pc: PopulationConfig, actors: list[ActorInfo]) -> str:
     """Where the population's workers run, in one line for the run's output."""
+    split = sorted({actor.num_devices for actor in actors if actor.num_devices > 1})
+    tasks_split = f", tasks split over {'/'.join(map(str, split))} devices" if split else ""
     if pc.engine == "local":
-        return f"{len(actors)} worker(s) in this process, one after another (local engine)"
+        return (
+            f"{len(actors)} worker(s) in this process, one after another (local engine)"
+            + tasks_split
+        )
     nodes = {actor.node_id for actor in actors}
     text = f"{len(actors)} actor(s) on {len(nodes)} node(s)"
     pinned = [actor.pinned_cores for actor in actors]
     if any(pinned):
         text += ", pinned to cores " + " ".join(str(cores) for cores in pinned)
+    text += tasks_split
     niced = sorted({actor.niceness for actor in actors if actor.niceness})
     if niced:
         text += (

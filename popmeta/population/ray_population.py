@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,7 @@ from popmeta.experiment import WorkerSpec
 from popmeta.population.base import Gathered, WorkerRestore
 from popmeta.population.call_size import RoundCost
 from popmeta.population.supervisor import ActorSupervisor
+from popmeta.xla_flags import with_host_devices
 
 __all__ = [
     "STARVING_SPACINGS",
@@ -245,6 +247,19 @@ class AsyncGather:
         return Gathered(accepted, staleness, dropped, accepted_late=late)
 
 
+def _with_cpu_devices(pc: PopulationConfig) -> dict[str, str]:
+    """The user's actor environment, with ``XLA_FLAGS`` starting ``cpu_devices`` CPU devices.
+
+    The flags build on the user's ``env``, else on the driver's ``XLA_FLAGS``,
+    which an embedded Ray's actors would otherwise inherit.
+    """
+    env = dict(pc.env)
+    if pc.cpu_devices is not None:
+        flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = with_host_devices(flags, pc.cpu_devices)
+    return env
+
+
 class RayPopulation:
     """``population.num_actors`` estimator actors (or one per node) on Ray.
 
@@ -285,7 +300,7 @@ class RayPopulation:
 
         compiled_method = "compute" if pc.compiled_graph else None
         # Per actor only what Ray merges with the job's environment.
-        env_vars = actor_env_vars(pc.num_gpus, pc.env)
+        env_vars = actor_env_vars(pc.num_gpus, _with_cpu_devices(pc))
         actor_env = {"env_vars": env_vars} if env_vars else None
         self._supervisor = ActorSupervisor(
             EstimatorActor, actor_args, pc, compiled_method, actor_env

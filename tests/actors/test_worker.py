@@ -44,12 +44,31 @@ NUM_DEVICES = 4
 FORCED_DEVICE_TIMEOUT_S = 600
 
 
-def _config(kind="pes", num_tasks=4, truncations_per_call=1, shard_tasks=True, **estimator):
+#: The learned optimizer and task of each problem a sharded worker is checked on:
+#: (c)'s shape in bench/estimators.py, made small, beside the quadratic.
+PROBLEMS = {
+    "quadratic": ({"kind": "learnable_sgdm"}, {"kind": "fixed_dim_quadratic_data", "dim": 4}),
+    "image_mlp": (
+        {"kind": "mlp"},
+        {"kind": "image_mlp_digits", "width": 8, "depth": 1, "batch_size": 16},
+    ),
+}
+
+
+def _config(
+    kind="pes",
+    num_tasks=4,
+    truncations_per_call=1,
+    shard_tasks=True,
+    problem="quadratic",
+    **estimator,
+):
+    learned_optimizer, task = PROBLEMS[problem]
     return config_from_dict(
         {
             "seed": 3,
-            "task": {"kind": "fixed_dim_quadratic_data", "dim": 4},
-            "learned_optimizer": {"kind": "learnable_sgdm"},
+            "task": task,
+            "learned_optimizer": learned_optimizer,
             # Trajectories of 12 steps, truncations of 5 and offsets over the whole
             # trajectory: every task ends and restarts within a few calls.
             "truncation": {"kind": "constant", "length": 12},
@@ -216,20 +235,27 @@ def _assert_sharded(worker, state, num_devices):
             assert shard.data.shape[axis] == leaf.shape[axis] // num_devices
 
 
-def check_sharded_matches_single_device(kind: str, truncations_per_call: int) -> None:
+def check_sharded_matches_single_device(
+    kind: str, truncations_per_call: int, problem: str = "quadratic"
+) -> None:
     """Runs in a process that sees ``NUM_DEVICES`` devices; raises on any mismatch."""
     devices = jax.local_devices()
     assert len(devices) == NUM_DEVICES, devices
     num_tasks = 2 * NUM_DEVICES
-    sharded = EstimatorWorker(WorkerSpec.of(_config(kind, num_tasks, truncations_per_call)), rank=2)
+    sharded = EstimatorWorker(
+        WorkerSpec.of(_config(kind, num_tasks, truncations_per_call, problem=problem)), rank=2
+    )
     single = EstimatorWorker(
-        WorkerSpec.of(_config(kind, num_tasks, truncations_per_call, shard_tasks=False)), rank=2
+        WorkerSpec.of(
+            _config(kind, num_tasks, truncations_per_call, shard_tasks=False, problem=problem)
+        ),
+        rank=2,
     )
     assert isinstance(sharded.runner, ShardedRunner) and sharded.num_devices == NUM_DEVICES
     assert isinstance(single.runner, SingleDeviceRunner) and single.num_devices == 1
     assert sharded.steps_per_estimate == single.steps_per_estimate
 
-    theta = _theta(_config(kind))
+    theta = _theta(_config(kind, problem=problem))
     num_done = 0.0
     previous = []
     for version in range(4):
@@ -278,19 +304,25 @@ def check_indivisible_num_tasks_is_refused() -> None:
 
 
 SHARDED_CASES = [
-    ("pes", 1),
-    ("pes", 3),
-    ("nres", 2),
-    ("truncated_es", 1),
-    ("truncated_grad", 2),
-    ("full_es", 1),
+    ("pes", 1, "quadratic"),
+    ("pes", 3, "quadratic"),
+    ("nres", 2, "quadratic"),
+    ("truncated_es", 1, "quadratic"),
+    ("truncated_grad", 2, "quadratic"),
+    ("full_es", 1, "quadratic"),
+    ("pes", 1, "image_mlp"),
 ]
+
+
+def _case_id(kind: str, truncations_per_call: int, problem: str) -> str:
+    return f"{kind}-{truncations_per_call}" + ("" if problem == "quadratic" else f"-{problem}")
+
 
 #: Every check that needs the forced devices, by name.
 FORCED_DEVICE_CHECKS: dict[str, Callable[[], None]] = {
     **{
-        f"sharded[{kind}-{k}]": functools.partial(check_sharded_matches_single_device, kind, k)
-        for kind, k in SHARDED_CASES
+        f"sharded[{_case_id(*case)}]": functools.partial(check_sharded_matches_single_device, *case)
+        for case in SHARDED_CASES
     },
     "indivisible": check_indivisible_num_tasks_is_refused,
 }
@@ -397,13 +429,9 @@ def _assert_check_passed(results: dict[str, str | None], name: str) -> None:
 
 
 @pytest.mark.timeout(FORCED_DEVICE_TIMEOUT_S)
-@pytest.mark.parametrize(
-    "kind,truncations_per_call", SHARDED_CASES, ids=[f"{k}-{n}" for k, n in SHARDED_CASES]
-)
-def test_sharded_worker_matches_single_device_worker(
-    forced_device_results, kind, truncations_per_call
-):
-    _assert_check_passed(forced_device_results, f"sharded[{kind}-{truncations_per_call}]")
+@pytest.mark.parametrize("case", SHARDED_CASES, ids=[_case_id(*case) for case in SHARDED_CASES])
+def test_sharded_worker_matches_single_device_worker(forced_device_results, case):
+    _assert_check_passed(forced_device_results, f"sharded[{_case_id(*case)}]")
 
 
 @pytest.mark.timeout(FORCED_DEVICE_TIMEOUT_S)

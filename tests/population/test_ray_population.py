@@ -33,6 +33,7 @@ from popmeta.experiment import EstimatorSections, initial_theta, learner_start
 from popmeta.learner.checkpoint_layout import load_run_checkpoint
 from popmeta.learner.learner import Learner
 from popmeta.population import ray_population as ray_population_module
+from popmeta.population.engines import describe_placement
 from popmeta.population.lifecycle import ActorStartError, PopulationLostError
 from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
@@ -409,6 +410,17 @@ def test_population_env_reaches_the_actors_and_init_errors_surface(ray_session):
     ) as info:
         population_of(config)
     assert f"(on host {socket.gethostname()}, node " in str(info.value)
+
+
+def test_cpu_devices_start_each_actor_with_that_many_devices_its_tasks_split_over(ray_session):
+    # The driver's XLA_FLAGS (popmeta's own flags) carry over to the actors,
+    # with the device count added.
+    config = tiny_config(num_actors=1, num_tasks=4, cpu_devices=2)
+    with population_of(config) as population:
+        (info,) = population.describe_actors()
+        assert info.jax_local_device_count == 2 and info.num_devices == 2
+        assert describe_placement(config.population, [info]).endswith("tasks split over 2 devices")
+        assert len(population.gather(Learner.of(learner_start(config)).theta(), 0).estimates) == 1
 
 
 def test_one_actor_per_node_without_a_carrier_fails_clearly(ray_session):
