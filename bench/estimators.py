@@ -159,8 +159,9 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
         nonlocal worker, train_state
         out, _ = runner.compute_gradient_estimate(train_state.params, worker, call_key(root_key, i))
         worker = out.state
-        # The learner's device gets the estimate, as a learner receives a worker's.
-        grad = jax.device_put(out.grad, learner_device)
+        grad = out.grad
+        if runner.num_devices > 1:  # split: the learner's device gets the estimate
+            grad = jax.device_put(grad, learner_device)
         train_state, _, _ = apply(train_state, [grad], one_estimate)
 
     for i in range(3):

@@ -31,7 +31,6 @@ __all__ = [
     "CPU_FLAGS",
     "HOST_DEVICE_COUNT_FLAG",
     "SMALL_LOOP_BYTES",
-    "host_device_count",
     "use_host_devices",
     "use_xla_cpu_flags",
     "with_host_devices",
@@ -93,7 +92,7 @@ def use_xla_cpu_flags(environ: MutableMapping[str, str] | None = None) -> bool:
     return True
 
 
-def host_device_count(xla_flags: str) -> int | None:
+def _host_device_count(xla_flags: str) -> int | None:
     """The CPU device count ``xla_flags`` (an ``XLA_FLAGS`` value) sets, or None if it sets none.
 
     Raises:
@@ -118,7 +117,7 @@ def with_host_devices(xla_flags: str, count: int) -> str:
     Raises:
       ValueError: if it already sets another count.
     """
-    current = host_device_count(xla_flags)
+    current = _host_device_count(xla_flags)
     if current == count:
         return xla_flags
     if current is not None:
