@@ -130,12 +130,13 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     from popmeta.core.estimators import make_runner
     from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
 
-    lopt, estimator = build_config(name, num_tasks)
+    base = name.removesuffix(SPLIT)  # the same configuration, its tasks split or not
+    lopt, estimator = build_config(base, num_tasks)
     # A worker's runner; ``-split`` shards the tasks over the local devices, as a
     # worker does when it sees several.
     runner = make_runner(estimator, jax.local_devices() if name.endswith(SPLIT) else None)
     theta = lopt.init(jax.random.key(0))
-    flops_per_step = _flops_per_inner_step(name, lopt)
+    flops_per_step = _flops_per_inner_step(base, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
     apply = build_apply_estimates_fn(donate_params_and_state=True)
     # Weights passed explicitly: a tree from before they were optional runs this script too.
