@@ -157,7 +157,8 @@ def test_a_replacement_is_ready_once_it_has_started_and_only_then(ray_session):
     sup = supervisor({1: (0.0, "die"), 2: (2.0, "start")}, max_actor_restarts=3)
     try:
         assert sup.ready_ranks == [0, 1]
-        sup.submit(0, "x", "run", 0.0, None)
+        # A call that cannot reply before the kill (one of 0 s sometimes did: a stale reply).
+        sup.submit(0, "x", "run", 60.0, None)
         os.kill(sup.describe()[0].pid, signal.SIGKILL)
         # The call is lost with its actor; the replacement that died starting is replaced too.
         deadline = time.monotonic() + STARTS_WITHIN_S
