@@ -232,7 +232,9 @@ def _run_config(name: str, seconds: float, tree: Path | None, num_tasks: int = N
     """One configuration in a fresh interpreter, importing popmeta from ``tree`` if given."""
     env = dict(os.environ)
     if name.endswith(SPLIT):
-        # XLA reads the device count once, when JAX starts in the subprocess.
+        # XLA reads the device count once, when JAX starts in the subprocess. Not
+        # popmeta.xla_flags.with_host_devices: importing popmeta here would add this
+        # tree's flags to every child's XLA_FLAGS, the other tree's too.
         count = f"--xla_force_host_platform_device_count={host_devices_per_process()}"
         env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), count]))
     if tree is not None:

@@ -128,7 +128,7 @@ def with_host_devices(xla_flags: str, count: int) -> str:
     return " ".join(filter(None, [xla_flags, f"{HOST_DEVICE_COUNT_FLAG}={count}"]))
 
 
-def use_host_devices(count: int, environ: MutableMapping[str, str] | None = None) -> None:
+def use_host_devices(count: int) -> None:
     """Makes JAX start this process with ``count`` CPU devices, or checks that it did.
 
     Raises:
@@ -136,9 +136,8 @@ def use_host_devices(count: int, environ: MutableMapping[str, str] | None = None
         started in this process with another number of CPU devices (it reads
         ``XLA_FLAGS`` once, when it starts).
     """
-    environ = os.environ if environ is None else environ
     if not _backends_started():
-        environ["XLA_FLAGS"] = with_host_devices(environ.get("XLA_FLAGS", ""), count)
+        os.environ["XLA_FLAGS"] = with_host_devices(os.environ.get("XLA_FLAGS", ""), count)
         return
     import jax
 

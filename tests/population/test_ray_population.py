@@ -413,8 +413,7 @@ def test_population_env_reaches_the_actors_and_init_errors_surface(ray_session):
 
 
 def test_cpu_devices_start_each_actor_with_that_many_devices_its_tasks_split_over(ray_session):
-    # The driver's XLA_FLAGS (popmeta's own flags) carry over to the actors,
-    # with the device count added.
+    # XLA reads the count when the actor process starts; the worker splits its 4 tasks.
     config = tiny_config(num_actors=1, num_tasks=4, cpu_devices=2)
     with population_of(config) as population:
         (info,) = population.describe_actors()
