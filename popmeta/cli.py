@@ -1,4 +1,4 @@
-"""The ``popmeta`` command line: ``train``, ``validate``, ``eval``, ``export`` and ``kinds``.
+"""The ``popmeta`` command line: ``train``, ``validate``, ``select``, ``eval``, ``export``, ``kinds``.
 
 Every failure ends in one paragraph on stderr (``popmeta: ...``) and an exit
 status of :data:`EXIT_STATUSES`, never in a traceback: an unexpected error's
@@ -106,22 +106,39 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("checkpoint", help="a ckpt_*.npz file written by `popmeta train`")
     evaluate.add_argument("--out", default=None, help="output folder (default: RUN/eval)")
-    evaluate.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="change an eval field of the checkpoint's config, e.g. eval.num_tasks=64, or "
-        "an option of its learned optimizer that no meta-parameter stands for, e.g. "
-        "learned_optimizer.loss_guard=0.01 (written to --out, not RUN/eval)",
-    )
+    _add_eval_overrides(evaluate)
     evaluate.add_argument(
         "--fresh-baselines",
         action="store_true",
         help="tune the baselines again instead of reading them from the cache "
         "($POPMETA_CACHE_DIR, default ~/.cache/popmeta)",
     )
+    select = commands.add_parser(
+        "select",
+        help="choose a run's checkpoint on validation tasks (the baselines' tuning tasks, "
+        "never the test tasks)",
+    )
+    select.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="RUN_OR_CKPT",
+        help="a run directory (every checkpoint it kept) or ckpt_*.npz files of one run",
+    )
+    select.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="validate in these settings, named as `popmeta eval` prints them (default: every one)",
+    )
+    select.add_argument(
+        "--tasks",
+        type=int,
+        default=None,
+        help="validation tasks per setting (default: eval.tuning_tasks)",
+    )
+    select.add_argument("--out", default=None, help="output folder (default: RUN/select)")
+    _add_eval_overrides(select)
     export = commands.add_parser(
         "export",
         help="write a checkpoint's learned optimizer to a file popmeta.load_optimizer reads",
@@ -138,6 +155,19 @@ def _parser() -> argparse.ArgumentParser:
         "otherwise than trained, e.g. learned_optimizer.loss_guard=0.01",
     )
     return parser
+
+
+def _add_eval_overrides(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change an eval field of the checkpoint's config, e.g. eval.num_tasks=64, or "
+        "an option of its learned optimizer that no meta-parameter stands for, e.g. "
+        "learned_optimizer.loss_guard=0.01 (then give --out)",
+    )
 
 
 def _version() -> str:
@@ -223,33 +253,82 @@ def _train(config, from_checkpoint: str | None) -> int:
     return EX_INTERRUPTED if result.interrupted else 0
 
 
-def _eval(checkpoint: str, out: str | None, overrides: list[str], fresh: bool) -> int:
-    from popmeta.config import config_from_dict, config_to_dict
-    from popmeta.evaluate import BaselineCache, EvalWriteError, evaluate_checkpoint, format_reports
-
+def _eval_overrides_refused(command: str, out: str | None, overrides: list[str]) -> str | None:
+    """Why ``--set`` ``overrides`` of ``eval`` or ``select`` are refused, or None."""
     for override in overrides:
         if not override.startswith(("eval.", "learned_optimizer.")):
-            return _fail(
-                f"eval --set {override}: only eval.* fields and learned-optimizer options "
+            return (
+                f"{command} --set {override}: only eval.* fields and learned-optimizer options "
                 "that leave theta's shape as trained can change; the rest of the config is "
-                "the checkpoint's own",
-                EX_USAGE,
+                "the checkpoint's own"
             )
         if override.startswith("learned_optimizer.") and out is None:
-            return _fail(
-                "eval --set learned_optimizer.*: give --out too, so that the evaluation of "
-                "the rule as trained in RUN/eval is not overwritten by a changed one",
-                EX_USAGE,
+            return (
+                f"{command} --set learned_optimizer.*: give --out too, so that the output "
+                f"for the rule as trained in RUN/{command} is not overwritten by a changed one"
             )
+    return None
 
-    def with_overrides(config):
+
+def _with_overrides(overrides: list[str]):
+    from popmeta.config import config_from_dict, config_to_dict
+
+    def changed(config):
         return config_from_dict(config_to_dict(config), "the checkpoint's config", overrides)
 
+    return changed
+
+
+def _select(
+    sources: list[str],
+    settings: list[str] | None,
+    tasks: int | None,
+    out: str | None,
+    overrides: list[str],
+) -> int:
+    from popmeta.evaluate.report import EvalWriteError
+    from popmeta.evaluate.selection import (
+        format_selection,
+        run_checkpoints,
+        select_checkpoint,
+        write_selection,
+    )
+    from popmeta.storage import join, parent
+
+    refused = _eval_overrides_refused("select", out, overrides)
+    if refused:
+        return _fail(refused, EX_USAGE)
+    try:
+        checkpoints = [
+            c
+            for source in sources
+            for c in ([source] if source.rstrip("/").endswith(".npz") else run_checkpoints(source))
+        ]
+        out = out or join(parent(parent(checkpoints[-1])), "select")
+        selection = select_checkpoint(
+            checkpoints, settings, tasks, _with_overrides(overrides), stream=sys.stderr
+        )
+        written = write_selection(selection, out)
+    except EvalWriteError as err:
+        return _fail(str(err), EX_IOERR)
+    except (OSError, ValueError) as err:
+        return _fail(str(err), EX_USAGE)
+    print(format_selection(selection), end="")
+    print(f"table (CSV): {written}")
+    return 0
+
+
+def _eval(checkpoint: str, out: str | None, overrides: list[str], fresh: bool) -> int:
+    from popmeta.evaluate import BaselineCache, EvalWriteError, evaluate_checkpoint, format_reports
+
+    refused = _eval_overrides_refused("eval", out, overrides)
+    if refused:
+        return _fail(refused, EX_USAGE)
     try:
         reports, written = evaluate_checkpoint(
             checkpoint,
             out,
-            config_changes=with_overrides,
+            config_changes=_with_overrides(overrides),
             baseline_cache=BaselineCache(refresh=fresh),
         )
     except EvalWriteError as err:
@@ -307,6 +386,8 @@ def _export(checkpoint: str, out: str, overrides: list[str]) -> int:
 def _command(args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _eval(args.checkpoint, args.out, args.overrides, args.fresh_baselines)
+    if args.command == "select":
+        return _select(args.checkpoints, args.settings, args.tasks, args.out, args.overrides)
     if args.command == "export":
         return _export(args.checkpoint, args.out, args.overrides)
     if args.command == "kinds":

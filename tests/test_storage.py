@@ -8,6 +8,7 @@ no client is mocked. The tests run ``popmeta train`` and ``popmeta eval`` on
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
@@ -249,3 +250,16 @@ def test_a_filesystem_without_atomic_puts_gets_whole_files_through_a_temporary_n
     assert remote.files("checkpoints") == []
     with pytest.raises(StorageError, match="fsspec does not know"):
         RemoteDir("nosuchfs://x")
+
+
+def test_select_chooses_among_a_bucket_runs_checkpoints_and_writes_there(s3, capsys):
+    from popmeta.cli import main
+
+    train(local_config(RUNS, name="select"), stream=io.StringIO())
+    assert main(["select", f"{RUNS}/select", "--settings", "trained horizon"]) == 0
+    out = capsys.readouterr().out
+    assert f"chosen: {RUNS}/select/checkpoints/ckpt_0000000" in out
+    body = s3.get_object(Bucket=BUCKET, Key="runs/select/select/selection.csv")["Body"]
+    rows = list(csv.DictReader(io.StringIO(body.read().decode())))
+    assert [row["step"] for row in rows] == ["2", "4"]
+    assert sorted(row["chosen"] for row in rows) == ["False", "True"]

@@ -4,9 +4,10 @@
 runs it there, :mod:`~popmeta.evaluate.baselines` tunes and caches the
 baselines, :mod:`~popmeta.evaluate.statistics` scores tasks and compares
 paired by task, :mod:`~popmeta.evaluate.report` prints and writes the
-results, :mod:`~popmeta.evaluate.checkpoints` meta-tests a training checkpoint
-and :mod:`~popmeta.evaluate.periodic` evaluates in the background during
-training.
+results, :mod:`~popmeta.evaluate.checkpoints` meta-tests a training checkpoint,
+:mod:`~popmeta.evaluate.selection` chooses among a run's checkpoints on
+validation tasks and :mod:`~popmeta.evaluate.periodic` evaluates in the
+background during training.
 """
 
 from popmeta.evaluate.baselines import BASELINES, LEARNING_RATES, BaselineCache, tune_baseline
@@ -29,6 +30,14 @@ from popmeta.evaluate.runs import (
     settings_of,
     trained_horizon,
 )
+from popmeta.evaluate.selection import (
+    CheckpointValidation,
+    Selection,
+    format_selection,
+    run_checkpoints,
+    select_checkpoint,
+    write_selection,
+)
 from popmeta.evaluate.statistics import (
     METRICS,
     Comparison,
@@ -45,10 +54,12 @@ __all__ = [
     "LEARNING_RATES",
     "METRICS",
     "BaselineCache",
+    "CheckpointValidation",
     "Comparison",
     "EvalOutput",
     "EvalWriteError",
     "PeriodicEvaluator",
+    "Selection",
     "Setting",
     "SettingReport",
     "TaskScores",
@@ -58,13 +69,17 @@ __all__ = [
     "evaluate_checkpoint",
     "evaluate_setting",
     "format_reports",
+    "format_selection",
     "learned_optimizer_run",
     "load_theta",
     "paired_interval",
+    "run_checkpoints",
     "scores_of",
+    "select_checkpoint",
     "settings_of",
     "t_quantile_975",
     "trained_horizon",
     "tune_baseline",
     "write_reports",
+    "write_selection",
 ]

@@ -41,6 +41,7 @@ __all__ = [
     "BASELINE_THREADS",
     "Setting",
     "SettingReport",
+    "UnitProgress",
     "evaluate",
     "evaluate_setting",
     "learned_optimizer_run",
@@ -117,17 +118,17 @@ def settings_of(config: Config) -> list[Setting]:
     return settings
 
 
-class _Units:
+class UnitProgress:
     """Progress over units of work: a bar on a terminal, a line per unit otherwise."""
 
-    def __init__(self, total: int, stream: TextIO | None):
+    def __init__(self, total: int, stream: TextIO | None, desc: str = "eval"):
         self.stream = stream
         self.bar = None
         if stream is not None and stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="eval", file=stream, leave=False)
-        self.total, self.done = total, 0
+            self.bar = tqdm(total=total, desc=desc, file=stream, leave=False)
+        self.desc, self.total, self.done = desc, total, 0
 
     def step(self, what: str) -> None:
         self.done += 1
@@ -135,7 +136,7 @@ class _Units:
             self.bar.set_postfix_str(what, refresh=False)
             self.bar.update(1)
         elif self.stream is not None:
-            print(f"eval {self.done}/{self.total}: {what}", file=self.stream, flush=True)
+            print(f"{self.desc} {self.done}/{self.total}: {what}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -162,7 +163,7 @@ def evaluate_setting(
     config: Config,
     setting: Setting,
     thetas: dict[str, Any],
-    units: _Units | None = None,
+    units: UnitProgress | None = None,
     baseline_cache: BaselineCache | None = None,
 ) -> SettingReport:
     """Runs ``thetas`` (learned optimizers) and the tuned baselines in one setting.
@@ -232,7 +233,7 @@ def evaluate(
     """
     settings = settings_of(config) if settings is None else list(settings)
     thetas = {"learned": theta, "untrained": initial_theta(EstimatorSections.of(config))}
-    units = _Units(len(settings) * (len(thetas) + len(BASELINES)), stream)
+    units = UnitProgress(len(settings) * (len(thetas) + len(BASELINES)), stream)
     try:
         return [evaluate_setting(config, s, thetas, units, baseline_cache) for s in settings]
     finally:

@@ -1,0 +1,290 @@
+"""Choosing among a run's checkpoints on validation tasks, never on the test tasks.
+
+A run's checkpoints differ: 1,000 meta-training steps apart, the generalist's
+met its bar in up to four settings more or fewer (docs/generalist.md), more
+than its seeds differ. ``popmeta select`` runs each checkpoint's learned
+optimizer in the settings ``popmeta eval`` tests (or those named) on
+*validation* tasks: ``num_tasks`` tasks drawn from ``eval.seed + 1``, the
+tasks the baselines' learning rates are tuned on (the same tasks when
+``num_tasks`` is ``eval.tuning_tasks``, the default). The checkpoint, like the
+baselines' learning rates, is chosen on tasks the evaluation never tests on.
+
+A checkpoint's score is the geometric mean over settings of its mean
+training loss (each task's loss averaged over the curve, then averaged over
+tasks), so that every setting counts the same whatever its loss scale; it is
+the quantity the baselines are tuned on (where a loss is not positive, as a
+loss with additive noise can be, the arithmetic mean stands in). The chosen checkpoint has the fewest
+unstable validation tasks (final test loss above the initial one, or not
+finite), then the lowest score, then the latest step.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+import posixpath
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple, TextIO
+
+import numpy as np
+
+from popmeta.config import Config
+from popmeta.evaluate.checkpoints import checked_rule_changes, load_theta
+from popmeta.evaluate.report import EvalWriteError, check_output_dir
+from popmeta.evaluate.runs import UnitProgress, learned_optimizer_run, settings_of
+from popmeta.evaluate.statistics import scores_of
+from popmeta.learner.checkpoints import checkpoint_step, list_checkpoints
+from popmeta.storage import RemoteDir, StorageError, is_remote, join, local_file, local_output_dir
+
+__all__ = [
+    "CheckpointValidation",
+    "Selection",
+    "format_selection",
+    "run_checkpoints",
+    "select_checkpoint",
+    "write_selection",
+]
+
+SELECTION_CSV = "selection.csv"
+
+
+class CheckpointValidation(NamedTuple):
+    """One checkpoint on the validation tasks.
+
+    Attributes:
+      mean_train_loss: setting name -> mean over tasks of each task's mean training loss
+        (infinite when a task diverged).
+      final_test_loss: setting name -> mean over tasks of the test loss after the last step.
+      unstable_tasks: over every setting, tasks whose final test loss is above their
+        initial one or not finite.
+      score: geometric mean over settings of ``mean_train_loss``.
+    """
+
+    checkpoint: str
+    step: int
+    mean_train_loss: dict[str, float]
+    final_test_loss: dict[str, float]
+    unstable_tasks: int
+    score: float
+
+
+class Selection(NamedTuple):
+    """Every checkpoint's validation, oldest first, and which one is chosen.
+
+    Attributes:
+      rule_changes: learned-optimizer options run otherwise than trained (``field=value``).
+    """
+
+    settings: list[str]
+    num_tasks: int
+    seed: int
+    rule_changes: list[str]
+    validations: list[CheckpointValidation]
+
+    @property
+    def chosen(self) -> CheckpointValidation:
+        return min(self.validations, key=lambda v: (v.unstable_tasks, v.score, -v.step))
+
+
+def run_checkpoints(location: str | os.PathLike[str]) -> list[str]:
+    """The checkpoints of a run directory (its ``checkpoints/``), oldest first.
+
+    ``location`` may be the run directory, its ``checkpoints/`` folder, or a
+    storage URI of either.
+
+    Raises:
+      FileNotFoundError: no checkpoint there.
+    """
+    location = os.fspath(location)
+    if is_remote(location):
+        remote = RemoteDir(location)
+        folder = "checkpoints" if remote.exists("checkpoints") else ""
+        names = [name for name in remote.files(folder) if _is_checkpoint(name)]
+        found = [join(location, folder, name) if folder else join(location, name) for name in names]
+    else:
+        folder = Path(location)
+        inside = folder / "checkpoints"
+        found = [str(path) for path in list_checkpoints(inside if inside.is_dir() else folder)]
+    if not found:
+        raise FileNotFoundError(
+            f"{location}: no ckpt_<step>.npz checkpoints in it or in its checkpoints/ folder"
+        )
+    return sorted(found, key=lambda path: checkpoint_step(posixpath.basename(path)))
+
+
+def _is_checkpoint(name: str) -> bool:
+    try:
+        checkpoint_step(name)
+    except ValueError:
+        return False
+    return True
+
+
+def select_checkpoint(
+    checkpoints: Sequence[str | os.PathLike[str]],
+    setting_names: Sequence[str] | None = None,
+    num_tasks: int | None = None,
+    config_changes: Callable[[Config], Config] | None = None,
+    stream: TextIO | None = None,
+) -> Selection:
+    """Validates every checkpoint (see the module docstring) and returns them all.
+
+    Args:
+      checkpoints: ``ckpt_*.npz`` files (or storage URIs) of one run. The newest's
+        config, after ``config_changes``, says what every checkpoint runs and where.
+      setting_names: the settings to validate in, as ``popmeta eval`` names them;
+        default every one.
+      num_tasks: validation tasks per setting; default ``eval.tuning_tasks``
+        (``eval.num_tasks`` when unset).
+      config_changes: applied to the newest checkpoint's config (``eval`` fields,
+        learned-optimizer options no meta-parameter stands for).
+      stream: progress display.
+
+    Raises:
+      ValueError: no checkpoints, an unknown setting, a checkpoint whose theta
+        cannot run as the newest's config says, or fewer than 2 tasks.
+    """
+    if not checkpoints:
+        raise ValueError("select: no checkpoints to choose from")
+    ordered = sorted(
+        (os.fspath(c) for c in checkpoints), key=lambda c: checkpoint_step(posixpath.basename(c))
+    )
+    trained, thetas = {}, {}
+    for checkpoint in ordered:
+        with local_file(checkpoint) as local:
+            trained[checkpoint], thetas[checkpoint] = load_theta(local)
+    newest = trained[ordered[-1]]
+    config = newest if config_changes is None else config_changes(newest)
+    # Every checkpoint must run as the config says; only the newest's changes are reported.
+    changes = {
+        checkpoint: checked_rule_changes(
+            trained[checkpoint].learned_optimizer,
+            config.learned_optimizer,
+            thetas[checkpoint],
+            checkpoint,
+        )
+        for checkpoint in ordered
+    }
+
+    ev = config.eval
+    tasks = num_tasks if num_tasks is not None else (ev.tuning_tasks or ev.num_tasks)
+    if tasks < 2:
+        raise ValueError(f"select: --tasks must be at least 2, got {tasks}")
+    validation = dataclasses.replace(
+        config, eval=dataclasses.replace(ev, seed=ev.seed + 1, num_tasks=tasks)
+    )
+    settings = {s.name: s for s in settings_of(validation)}
+    names = list(settings) if not setting_names else list(setting_names)
+    unknown = [name for name in names if name not in settings]
+    if unknown:
+        raise ValueError(
+            f"select: no setting {', '.join(map(repr, unknown))}; the config's are "
+            f"{', '.join(map(repr, settings))}"
+        )
+
+    train = {c: {} for c in ordered}
+    test = {c: {} for c in ordered}
+    unstable = dict.fromkeys(ordered, 0)
+    progress = UnitProgress(len(names) * len(ordered), stream, "select")
+    try:
+        # Settings outside, checkpoints inside: one compile per setting serves every theta.
+        for name in names:
+            run = learned_optimizer_run(validation, settings[name])
+            for checkpoint in ordered:
+                scores = scores_of(run(thetas[checkpoint]))
+                train[checkpoint][name] = float(np.mean(scores.mean_train_loss))
+                test[checkpoint][name] = float(np.mean(scores.final_test_loss))
+                unstable[checkpoint] += scores.unstable_tasks
+                progress.step(f"{name}: step {checkpoint_step(posixpath.basename(checkpoint))}")
+    finally:
+        progress.close()
+
+    validations = [
+        CheckpointValidation(
+            checkpoint,
+            checkpoint_step(posixpath.basename(checkpoint)),
+            train[checkpoint],
+            test[checkpoint],
+            unstable[checkpoint],
+            _score(list(train[checkpoint].values())),
+        )
+        for checkpoint in ordered
+    ]
+    return Selection(names, tasks, validation.eval.seed, changes[ordered[-1]], validations)
+
+
+def _score(losses: Sequence[float]) -> float:
+    """The geometric mean of ``losses``; their mean when one is not positive (a loss
+    with additive noise can be negative); infinite when one is."""
+    values = np.asarray(losses, np.float64)
+    if not np.all(np.isfinite(values)):
+        return math.inf
+    if np.all(values > 0):
+        return float(np.exp(np.mean(np.log(values))))
+    return float(np.mean(values))
+
+
+def format_selection(selection: Selection) -> str:
+    """The validation table: a row per setting, a column per checkpoint, the chosen named."""
+    chosen = selection.chosen
+    header = ["setting", *(f"step {v.step}" for v in selection.validations)]
+    rows = []
+    for name in selection.settings:
+        losses = [v.mean_train_loss[name] for v in selection.validations]
+        best = min(losses)
+        rows.append([name, *(_cell(loss, loss == best) for loss in losses)])
+    rows.append(["unstable tasks", *(str(v.unstable_tasks) for v in selection.validations)])
+    rows.append(["score", *(_cell(v.score, v is chosen) for v in selection.validations)])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    title = (
+        f"Validation: mean training loss on {selection.num_tasks} tasks of seed "
+        f"{selection.seed} per setting (* the lowest; score: the geometric mean over settings)"
+    )
+    if selection.rule_changes:
+        title += f", with {', '.join(selection.rule_changes)}"
+    lines = [title]
+    for row in [header, *rows]:
+        cells = [row[0].ljust(widths[0])]
+        cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    lines.append(f"chosen: {chosen.checkpoint} (step {chosen.step})")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: float, marked: bool) -> str:
+    text = f"{value:.4g}" if math.isfinite(value) else "diverged"
+    return f"{text}*" if marked else f"{text} "
+
+
+def write_selection(selection: Selection, out_dir: str | os.PathLike[str]) -> str:
+    """Writes ``selection.csv`` (a row per checkpoint) under ``out_dir``; returns its path.
+
+    ``out_dir`` may be a storage URI.
+
+    Raises:
+      EvalWriteError: it cannot be written.
+    """
+    check_output_dir(out_dir)
+    columns = ["step", "checkpoint", "chosen", "score", "unstable_tasks", "num_tasks", "seed"]
+    for name in selection.settings:
+        columns += [f"{name}: mean_train_loss", f"{name}: final_test_loss"]
+    chosen = selection.chosen
+    try:
+        with (
+            local_output_dir(out_dir) as folder,
+            open(folder / SELECTION_CSV, "w", newline="", encoding="utf-8") as file,
+        ):
+            writer = csv.writer(file)
+            writer.writerow(columns)
+            for v in selection.validations:
+                row = [v.step, v.checkpoint, v is chosen, f"{v.score:.6g}", v.unstable_tasks]
+                row += [selection.num_tasks, selection.seed]
+                for name in selection.settings:
+                    row += [f"{v.mean_train_loss[name]:.6g}", f"{v.final_test_loss[name]:.6g}"]
+                writer.writerow(row)
+    except (OSError, StorageError) as err:
+        raise EvalWriteError(f"cannot write the selection to {out_dir}: {err}") from None
+    return join(out_dir, SELECTION_CSV)

@@ -1,0 +1,138 @@
+"""``popmeta select``: a run's checkpoint chosen on validation tasks, never on the test tasks."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from popmeta.cli import main
+from popmeta.config import config_to_dict
+from popmeta.core.evaluation import training_curves
+from popmeta.evaluate.selection import run_checkpoints, select_checkpoint
+from popmeta.experiment import build_learned_optimizer, build_task_family, learner_start
+from popmeta.learner.checkpoint_layout import save_run_checkpoint
+from popmeta.learner.learner import Learner
+from tests.local_run import local_config
+
+#: Learning rates of SGD on the quadratics: one barely moves, one trains, one blows up.
+LEARNING_RATES = {100: 1e-4, 200: 0.1, 300: 50.0}
+EVAL = {"num_tasks": 6, "tuning_tasks": 4, "num_steps": 12, "long_horizon_factors": [3]}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run directory whose three checkpoints hold SGD at the rates above."""
+    root = tmp_path_factory.mktemp("select")
+    config = local_config(root, name="chosen", eval=EVAL)
+    start = Learner.of(learner_start(config)).checkpoint_tree()
+    for step, lr in LEARNING_RATES.items():
+        learner = start._replace(step=jnp.int32(step), theta={"log_lr": jnp.log(lr)})
+        save_run_checkpoint(
+            root / "chosen" / "checkpoints", learner, {}, config_to_dict(config), [], keep=None
+        )
+    return config, root / "chosen"
+
+
+def test_the_checkpoint_that_trains_best_on_the_validation_tasks_is_chosen(run):
+    _, run_dir = run
+    checkpoints = run_checkpoints(run_dir)
+    assert [c.rsplit("_", 1)[-1] for c in checkpoints] == [
+        "00000100.npz",
+        "00000200.npz",
+        "00000300.npz",
+    ]
+    selection = select_checkpoint(checkpoints)
+    slow, good, blown = selection.validations
+    assert selection.settings == ["trained horizon", "3x horizon"]
+    assert selection.chosen is good
+    # The newest checkpoint blows up: never chosen, however its score reads.
+    assert blown.unstable_tasks > 0 and slow.unstable_tasks == 0 == good.unstable_tasks
+    assert good.score < slow.score
+    geometric = math.exp(np.mean(np.log(list(good.mean_train_loss.values()))))
+    assert good.score == pytest.approx(geometric, rel=1e-12)
+
+
+def test_validation_runs_on_the_baselines_tuning_tasks_not_the_test_tasks(run):
+    config, run_dir = run
+    selection = select_checkpoint(run_checkpoints(run_dir), ["3x horizon"])
+    # The tuning tasks: eval.tuning_tasks of them from eval.seed + 1 (baselines.tune_baseline).
+    assert selection.num_tasks == 4 and selection.seed == config.eval.seed + 1
+    family = build_task_family(config.task)
+    sgd = build_learned_optimizer(config.learned_optimizer).opt_fn({"log_lr": jnp.log(0.1)})
+
+    def mean_train_loss(seed: int, count: int) -> float:
+        curves = training_curves(family, sgd, jax.random.key(seed), count, 36)
+        return float(np.mean(np.asarray(curves.train_loss)))
+
+    validated = selection.validations[1].mean_train_loss["3x horizon"]
+    assert validated == pytest.approx(mean_train_loss(config.eval.seed + 1, 4), rel=1e-5)
+    assert validated != pytest.approx(mean_train_loss(config.eval.seed, 6), rel=1e-3)
+
+
+def test_an_unknown_setting_or_too_few_tasks_is_named(run):
+    _, run_dir = run
+    with pytest.raises(ValueError, match=r"no setting '10x horizon'; the config's are "):
+        select_checkpoint(run_checkpoints(run_dir), ["10x horizon"])
+    with pytest.raises(ValueError, match="at least 2"):
+        select_checkpoint(run_checkpoints(run_dir), num_tasks=1)
+
+
+def test_select_prints_the_table_and_writes_the_csv(run, capsys):
+    _, run_dir = run
+    assert main(["select", str(run_dir), "--settings", "trained horizon", "--tasks", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"chosen: {run_dir / 'checkpoints' / 'ckpt_00000200.npz'} (step 200)" in out
+    assert "Validation: mean training loss on 3 tasks of seed" in out
+    with (run_dir / "select" / "selection.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(r["step"], r["chosen"]) for r in rows] == [
+        ("100", "False"),
+        ("200", "True"),
+        ("300", "False"),
+    ]
+    assert float(rows[0]["trained horizon: mean_train_loss"]) > float(
+        rows[1]["trained horizon: mean_train_loss"]
+    )
+
+
+def test_select_takes_checkpoint_files_and_rule_options(run, tmp_path, capsys):
+    _, run_dir = run
+    files = [str(p) for p in sorted((run_dir / "checkpoints").glob("ckpt_*.npz"))[:2]]
+    args = ["select", *files, "--settings", "trained horizon", "--out", str(tmp_path / "two")]
+    assert main(args) == 0
+    assert "(step 200)" in capsys.readouterr().out
+    assert (tmp_path / "two" / "selection.csv").exists()
+
+
+def test_select_refuses_bad_input_before_running_anything(run, tmp_path, capsys):
+    _, run_dir = run
+    assert main(["select", str(tmp_path)]) == 2
+    assert f"{tmp_path}: no ckpt_<step>.npz checkpoints" in capsys.readouterr().err
+    assert main(["select", str(run_dir), "--set", "task.dim=5"]) == 2
+    assert "select --set task.dim=5: only eval.* fields" in capsys.readouterr().err
+    assert main(["select", str(run_dir), "--set", "learned_optimizer.initial_lr=0.5"]) == 2
+    assert "give --out too" in capsys.readouterr().err
+    assert main(["select", str(run_dir), "--settings", "5x horizon"]) == 2
+    assert "no setting '5x horizon'" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_rule_is_refused(run, tmp_path):
+    _, run_dir = run
+    other = local_config(tmp_path, name="other", learned_optimizer={"kind": "learnable_sgdm"})
+    start = Learner.of(learner_start(other)).checkpoint_tree()
+    written = save_run_checkpoint(
+        tmp_path / "checkpoints",
+        start._replace(step=jnp.int32(50)),
+        {},
+        config_to_dict(other),
+        [],
+        keep=None,
+    )
+    newest = run_checkpoints(run_dir)[-1]
+    with pytest.raises(ValueError, match=r"learned_optimizer\.kind is 'learnable_sgdm'"):
+        select_checkpoint([str(written), newest])
