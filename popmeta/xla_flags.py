@@ -34,6 +34,7 @@ __all__ = [
     "use_host_devices",
     "use_xla_cpu_flags",
     "with_host_devices",
+    "without_host_devices",
 ]
 
 # About three times the bytes of the largest loop measured to gain from it (a
@@ -126,6 +127,12 @@ def with_host_devices(xla_flags: str, count: int) -> str:
             f"{count}; remove the flag or set population.cpu_devices: {current}"
         )
     return " ".join(filter(None, [xla_flags, f"{HOST_DEVICE_COUNT_FLAG}={count}"]))
+
+
+def without_host_devices(xla_flags: str) -> str:
+    """``xla_flags`` (an ``XLA_FLAGS`` value) without a CPU device count, every other flag kept."""
+    kept = [f for f in xla_flags.split() if f.partition("=")[0] != HOST_DEVICE_COUNT_FLAG]
+    return " ".join(kept)
 
 
 def use_host_devices(count: int) -> None:

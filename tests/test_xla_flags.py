@@ -22,6 +22,7 @@ from popmeta.xla_flags import (
     use_host_devices,
     use_xla_cpu_flags,
     with_host_devices,
+    without_host_devices,
 )
 
 # A loop with a matrix product whose buffers (several KiB) are over XLA's
@@ -159,6 +160,9 @@ def test_host_devices_are_added_to_the_flags_and_a_conflicting_count_is_named():
         with_host_devices(already, 4)
     with pytest.raises(ValueError, match="not a whole number of devices"):
         with_host_devices(f"{HOST_DEVICE_COUNT_FLAG}=two", 2)
+    # The driver's own count, dropped before the actors' is added.
+    assert without_host_devices(already) == "--xla_cpu_enable_fast_math=false"
+    assert with_host_devices(without_host_devices(already), 4).split()[-1].endswith("=4")
 
 
 def test_the_driver_starts_its_host_devices_before_jax_and_refuses_after():

@@ -37,7 +37,7 @@ from popmeta.experiment import WorkerSpec
 from popmeta.population.base import Gathered, WorkerRestore
 from popmeta.population.call_size import RoundCost
 from popmeta.population.supervisor import ActorSupervisor
-from popmeta.xla_flags import with_host_devices
+from popmeta.xla_flags import with_host_devices, without_host_devices
 
 __all__ = [
     "STARVING_SPACINGS",
@@ -250,12 +250,17 @@ class AsyncGather:
 def _with_cpu_devices(pc: PopulationConfig) -> dict[str, str]:
     """The user's actor environment, with ``XLA_FLAGS`` starting ``cpu_devices`` CPU devices.
 
-    The flags build on the user's ``env``, else on the driver's ``XLA_FLAGS``,
-    which an embedded Ray's actors would otherwise inherit.
+    The flags build on the user's ``env`` (whose own device count the config
+    checks against ``cpu_devices``), else on the driver's ``XLA_FLAGS``, which
+    an embedded Ray's actors would otherwise inherit, less the driver's own
+    device count: ``cpu_devices`` is the actors'.
     """
     env = dict(pc.env)
     if pc.cpu_devices is not None:
-        flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        if "XLA_FLAGS" in env:
+            flags = env["XLA_FLAGS"]
+        else:
+            flags = without_host_devices(os.environ.get("XLA_FLAGS", ""))
         env["XLA_FLAGS"] = with_host_devices(flags, pc.cpu_devices)
     return env
 

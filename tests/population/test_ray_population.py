@@ -39,6 +39,7 @@ from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
 from popmeta.population.supervisor import ActorSupervisor
 from popmeta.run_loop import train
+from popmeta.xla_flags import HOST_DEVICE_COUNT_FLAG
 from tests.events import read_scalars
 from tests.population import (
     CALL_TIMEOUT_S,
@@ -412,8 +413,13 @@ def test_population_env_reaches_the_actors_and_init_errors_surface(ray_session):
     assert f"(on host {socket.gethostname()}, node " in str(info.value)
 
 
-def test_cpu_devices_start_each_actor_with_that_many_devices_its_tasks_split_over(ray_session):
+def test_cpu_devices_start_each_actor_with_that_many_devices_its_tasks_split_over(
+    ray_session, monkeypatch
+):
     # XLA reads the count when the actor process starts; the worker splits its 4 tasks.
+    # A device count in the driver's own XLA_FLAGS is the driver's: the actors take cpu_devices.
+    driver_flags = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICE_COUNT_FLAG}=3"
+    monkeypatch.setenv("XLA_FLAGS", driver_flags)
     config = tiny_config(num_actors=1, num_tasks=4, cpu_devices=2)
     with population_of(config) as population:
         (info,) = population.describe_actors()
