@@ -137,6 +137,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="validation tasks per setting (default: eval.tuning_tasks)",
     )
+    select.add_argument(
+        "--last",
+        type=int,
+        default=None,
+        metavar="K",
+        help="of a run directory, only its newest K checkpoints (default: every one it kept)",
+    )
     select.add_argument("--out", default=None, help="output folder (default: RUN/select)")
     _add_eval_overrides(select)
     export = commands.add_parser(
@@ -279,15 +286,9 @@ def _with_overrides(overrides: list[str]):
     return changed
 
 
-def _select(
-    sources: list[str],
-    settings: list[str] | None,
-    tasks: int | None,
-    out: str | None,
-    overrides: list[str],
-) -> int:
-    from popmeta.evaluate.report import EvalWriteError
-    from popmeta.evaluate.selection import (
+def _select(args: argparse.Namespace) -> int:
+    from popmeta.evaluate import (
+        EvalWriteError,
         format_selection,
         run_checkpoints,
         select_checkpoint,
@@ -295,18 +296,23 @@ def _select(
     )
     from popmeta.storage import join, parent
 
+    out, overrides = args.out, args.overrides
     refused = _eval_overrides_refused("select", out, overrides)
     if refused:
         return _fail(refused, EX_USAGE)
+    if args.last is not None and args.last < 1:
+        return _fail(f"select --last {args.last}: expected at least 1 checkpoint", EX_USAGE)
     try:
-        checkpoints = [
-            c
-            for source in sources
-            for c in ([source] if source.rstrip("/").endswith(".npz") else run_checkpoints(source))
-        ]
+        checkpoints = []
+        for source in args.checkpoints:
+            if source.rstrip("/").endswith(".npz"):
+                checkpoints.append(source)
+            else:
+                kept = run_checkpoints(source)
+                checkpoints += kept if args.last is None else kept[-args.last :]
         out = out or join(parent(parent(checkpoints[-1])), "select")
         selection = select_checkpoint(
-            checkpoints, settings, tasks, _with_overrides(overrides), stream=sys.stderr
+            checkpoints, args.settings, args.tasks, _with_overrides(overrides), stream=sys.stderr
         )
         written = write_selection(selection, out)
     except EvalWriteError as err:
@@ -387,7 +393,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _eval(args.checkpoint, args.out, args.overrides, args.fresh_baselines)
     if args.command == "select":
-        return _select(args.checkpoints, args.settings, args.tasks, args.out, args.overrides)
+        return _select(args)
     if args.command == "export":
         return _export(args.checkpoint, args.out, args.overrides)
     if args.command == "kinds":

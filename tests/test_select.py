@@ -100,13 +100,28 @@ def test_select_prints_the_table_and_writes_the_csv(run, capsys):
     )
 
 
+def test_select_takes_a_runs_newest_checkpoints_only_when_asked(run, tmp_path, capsys):
+    _, run_dir = run
+    out = tmp_path / "last"
+    args = ["select", str(run_dir), "--last", "1", "--settings", "trained horizon"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert "(step 300)" in capsys.readouterr().out
+    with (out / "selection.csv").open() as file:
+        assert [row["step"] for row in csv.DictReader(file)] == ["300"]
+    assert main(["select", str(run_dir), "--last", "0"]) == 2
+    assert "select --last 0: expected at least 1" in capsys.readouterr().err
+
+
 def test_select_takes_checkpoint_files_and_rule_options(run, tmp_path, capsys):
     _, run_dir = run
     files = [str(p) for p in sorted((run_dir / "checkpoints").glob("ckpt_*.npz"))[:2]]
     args = ["select", *files, "--settings", "trained horizon", "--out", str(tmp_path / "two")]
-    assert main(args) == 0
-    assert "(step 200)" in capsys.readouterr().out
-    assert (tmp_path / "two" / "selection.csv").exists()
+    # An option no meta-parameter stands for runs as given, and the table says so.
+    assert main([*args, "--set", "learned_optimizer.initial_lr=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "(step 200)" in out and "with learned_optimizer.initial_lr=0.5" in out
+    with (tmp_path / "two" / "selection.csv").open() as file:
+        assert [row["step"] for row in csv.DictReader(file)] == ["100", "200"]
 
 
 def test_select_refuses_bad_input_before_running_anything(run, tmp_path, capsys):
