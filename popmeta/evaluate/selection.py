@@ -149,9 +149,8 @@ def select_checkpoint(
     """
     if not checkpoints:
         raise ValueError("select: no checkpoints to choose from")
-    ordered = sorted(
-        (os.fspath(c) for c in checkpoints), key=lambda c: checkpoint_step(posixpath.basename(c))
-    )
+    steps = {os.fspath(c): checkpoint_step(posixpath.basename(os.fspath(c))) for c in checkpoints}
+    ordered = sorted(steps, key=steps.__getitem__)
     trained, thetas = {}, {}
     for checkpoint in ordered:
         with local_file(checkpoint) as local:
@@ -172,7 +171,7 @@ def select_checkpoint(
     ev = config.eval
     tasks = num_tasks if num_tasks is not None else (ev.tuning_tasks or ev.num_tasks)
     if tasks < 2:
-        raise ValueError(f"select: --tasks must be at least 2, got {tasks}")
+        raise ValueError(f"select: validation needs at least 2 tasks a setting, got {tasks}")
     validation = dataclasses.replace(
         config, eval=dataclasses.replace(ev, seed=ev.seed + 1, num_tasks=tasks)
     )
@@ -198,14 +197,14 @@ def select_checkpoint(
                 train[checkpoint][name] = float(np.mean(scores.mean_train_loss))
                 test[checkpoint][name] = float(np.mean(scores.final_test_loss))
                 unstable[checkpoint] += scores.unstable_tasks
-                progress.step(f"{name}: step {checkpoint_step(posixpath.basename(checkpoint))}")
+                progress.step(f"{name}: step {steps[checkpoint]}")
     finally:
         progress.close()
 
     validations = [
         CheckpointValidation(
             checkpoint,
-            checkpoint_step(posixpath.basename(checkpoint)),
+            steps[checkpoint],
             train[checkpoint],
             test[checkpoint],
             unstable[checkpoint],
