@@ -138,6 +138,15 @@ def _parser() -> argparse.ArgumentParser:
         help="validation tasks per setting (default: eval.tuning_tasks)",
     )
     select.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="'KEY=VALUE [KEY=VALUE ...]'",
+        help="also validate every checkpoint with these learned-optimizer options (on top "
+        "of --set), e.g. 'learned_optimizer.loss_guard_relative=0.5'; repeat for more",
+    )
+    select.add_argument(
         "--last",
         type=int,
         default=None,
@@ -300,6 +309,17 @@ def _select(args: argparse.Namespace) -> int:
     refused = _eval_overrides_refused("select", out, overrides)
     if refused:
         return _fail(refused, EX_USAGE)
+    variants = {}
+    for variant in args.variants:
+        changes = variant.split()
+        if not changes or not all(c.startswith("learned_optimizer.") for c in changes):
+            return _fail(
+                f"select --variant {variant!r}: expected learned_optimizer.KEY=VALUE options "
+                "that leave theta's shape as trained, separated by spaces",
+                EX_USAGE,
+            )
+        name = " ".join(c.removeprefix("learned_optimizer.") for c in changes)
+        variants[name] = _with_overrides(changes)
     if args.last is not None and args.last < 1:
         return _fail(f"select --last {args.last}: expected at least 1 checkpoint", EX_USAGE)
     try:
@@ -312,7 +332,12 @@ def _select(args: argparse.Namespace) -> int:
                 checkpoints += kept if args.last is None else kept[-args.last :]
         out = out or join(parent(parent(checkpoints[-1])), "select")
         selection = select_checkpoint(
-            checkpoints, args.settings, args.tasks, _with_overrides(overrides), stream=sys.stderr
+            checkpoints,
+            args.settings,
+            args.tasks,
+            _with_overrides(overrides),
+            variants,
+            stream=sys.stderr,
         )
         written = write_selection(selection, out)
     except EvalWriteError as err:

@@ -181,3 +181,34 @@ def test_the_compact_table_shows_the_summary_where_the_result_has_one(tmp_path):
     full = readme_table.render_block(f"{name}.csv", root=tmp_path, kind="results-table-full")
     assert "In short." in compact and "The long note." not in compact
     assert "The long note." in full and "In short." not in full
+
+
+def test_the_averaging_probe_writes_a_checkpoint_of_the_mean_theta(tmp_path, capsys):
+    import jax.numpy as jnp
+
+    from popmeta.config import config_to_dict
+    from popmeta.evaluate import load_theta
+    from popmeta.experiment import learner_start
+    from popmeta.learner.checkpoint_layout import save_run_checkpoint
+    from popmeta.learner.learner import Learner
+    from tests.local_run import local_config
+
+    config = local_config(tmp_path, name="avg")
+    start = Learner.of(learner_start(config)).checkpoint_tree()
+    paths = [
+        save_run_checkpoint(
+            tmp_path / "checkpoints",
+            start._replace(step=jnp.int32(step), theta={"log_lr": jnp.float32(log_lr)}),
+            {},
+            config_to_dict(config),
+            [],
+            keep=None,
+        )
+        for step, log_lr in [(1, -2.0), (2, -4.0)]
+    ]
+    probe = _script("docs/results/average_checkpoints.py")
+    probe.main([str(tmp_path / "averaged"), "3", *map(str, paths)])
+    written = tmp_path / "averaged" / "ckpt_00000003.npz"
+    assert capsys.readouterr().out.strip() == str(written)
+    averaged_config, theta = load_theta(written)
+    assert float(theta["log_lr"]) == -3.0 and averaged_config == config

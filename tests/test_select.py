@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 
 import jax
@@ -151,3 +152,54 @@ def test_a_checkpoint_of_another_rule_is_refused(run, tmp_path):
     newest = run_checkpoints(run_dir)[-1]
     with pytest.raises(ValueError, match=r"learned_optimizer\.kind is 'learnable_sgdm'"):
         select_checkpoint([str(written), newest])
+
+
+def test_a_variant_of_the_rules_options_is_a_candidate_on_the_same_tasks(tmp_path, capsys):
+    lopt = {"kind": "normalized_mlp", "initial_lr": 0.05, "hidden_size": 4}
+    config = local_config(tmp_path, name="variants", learned_optimizer=lopt, eval=EVAL)
+    start = Learner.of(learner_start(config)).checkpoint_tree()
+    for step in (1, 2):
+        save_run_checkpoint(
+            tmp_path / "variants" / "checkpoints",
+            start._replace(step=jnp.int32(step)),
+            {},
+            config_to_dict(config),
+            [],
+            keep=None,
+        )
+    checkpoints = run_checkpoints(tmp_path / "variants")
+
+    def decayed(config):
+        options = {**config.learned_optimizer.options, "weight_decay": 5.0}
+        lo = dataclasses.replace(config.learned_optimizer, options=options)
+        return dataclasses.replace(config, learned_optimizer=lo)
+
+    both = select_checkpoint(checkpoints, ["3x horizon"], variants={"weight_decay=5": decayed})
+    assert [v.label for v in both.validations] == [
+        "step 1",
+        "step 1, weight_decay=5",
+        "step 2",
+        "step 2, weight_decay=5",
+    ]
+    plain, decayed_run = both.validations[2:]
+    # The variant runs as if its options were the rule's, on the same validation tasks.
+    alone = select_checkpoint(checkpoints[1:], ["3x horizon"], config_changes=decayed)
+    assert decayed_run.mean_train_loss == alone.validations[0].mean_train_loss
+    assert decayed_run.mean_train_loss != plain.mean_train_loss
+    better = min((plain, decayed_run), key=lambda v: v.score)
+    assert both.chosen is better  # the same theta at both steps: the latest step wins ties
+
+    def elsewhere(config):
+        return dataclasses.replace(config, eval=dataclasses.replace(config.eval, seed=9))
+
+    with pytest.raises(ValueError, match="variant 'seed' changes more than learned_optimizer"):
+        select_checkpoint(checkpoints, variants={"seed": elsewhere})
+
+    args = ["select", str(tmp_path / "variants"), "--settings", "trained horizon"]
+    assert main([*args, "--variant", "learned_optimizer.weight_decay=5"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2, weight_decay=5" in out and "chosen: " in out
+    with (tmp_path / "variants" / "select" / "selection.csv").open() as file:
+        assert [row["variant"] for row in csv.DictReader(file)] == ["", "weight_decay=5"] * 2
+    assert main([*args, "--variant", "eval.seed=3"]) == 2
+    assert "expected learned_optimizer.KEY=VALUE" in capsys.readouterr().err

@@ -13,9 +13,15 @@ A checkpoint's score is the geometric mean over settings of its mean
 training loss (each task's loss averaged over the curve, then averaged over
 tasks), so that every setting counts the same whatever its loss scale; it is
 the quantity the baselines are tuned on (where a loss is not positive, as a
-loss with additive noise can be, the arithmetic mean stands in). The chosen checkpoint has the fewest
-unstable validation tasks (final test loss above the initial one, or not
-finite), then the lowest score, then the latest step.
+loss with additive noise can be, the arithmetic mean stands in).
+
+*Variants* are candidates too: the learned optimizer's options that no
+meta-parameter stands for (a hand-designed brake, weight decay), set
+otherwise, each run with every checkpoint on the same tasks, so that the
+options are chosen on the validation tasks as the checkpoint is. The chosen
+candidate has the fewest unstable validation tasks (final test loss above
+the initial one, or not finite), then the lowest score, then the latest
+step, then the rule without a variant.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import dataclasses
 import math
 import os
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple, TextIO
 
@@ -61,6 +67,7 @@ class CheckpointValidation(NamedTuple):
       unstable_tasks: over every setting, tasks whose final test loss is above their
         initial one or not finite.
       score: geometric mean over settings of ``mean_train_loss``.
+      variant: the variant's name; empty for the rule without one.
     """
 
     checkpoint: str
@@ -69,13 +76,23 @@ class CheckpointValidation(NamedTuple):
     final_test_loss: dict[str, float]
     unstable_tasks: int
     score: float
+    variant: str = ""
+
+    @property
+    def label(self) -> str:
+        return _label(self.step, self.variant)
+
+
+def _label(step: int, variant: str) -> str:
+    return f"step {step}" + (f", {variant}" if variant else "")
 
 
 class Selection(NamedTuple):
-    """Every checkpoint's validation, oldest first, and which one is chosen.
+    """Every candidate's validation, oldest checkpoint first, and which one is chosen.
 
     Attributes:
-      rule_changes: learned-optimizer options run otherwise than trained (``field=value``).
+      rule_changes: learned-optimizer options run otherwise than trained
+        (``field=value``), variants aside.
     """
 
     settings: list[str]
@@ -86,7 +103,9 @@ class Selection(NamedTuple):
 
     @property
     def chosen(self) -> CheckpointValidation:
-        return min(self.validations, key=lambda v: (v.unstable_tasks, v.score, -v.step))
+        return min(
+            self.validations, key=lambda v: (v.unstable_tasks, v.score, -v.step, bool(v.variant))
+        )
 
 
 def run_checkpoints(location: str | os.PathLike[str]) -> list[str]:
@@ -128,6 +147,7 @@ def select_checkpoint(
     setting_names: Sequence[str] | None = None,
     num_tasks: int | None = None,
     config_changes: Callable[[Config], Config] | None = None,
+    variants: Mapping[str, Callable[[Config], Config]] | None = None,
     stream: TextIO | None = None,
 ) -> Selection:
     """Validates every checkpoint (see the module docstring) and returns them all.
@@ -141,11 +161,14 @@ def select_checkpoint(
         (``eval.num_tasks`` when unset).
       config_changes: applied to the newest checkpoint's config (``eval`` fields,
         learned-optimizer options no meta-parameter stands for).
+      variants: name -> a change of learned-optimizer options, applied after
+        ``config_changes``; each is validated with every checkpoint too.
       stream: progress display.
 
     Raises:
       ValueError: no checkpoints, an unknown setting, a checkpoint whose theta
-        cannot run as the newest's config says, or fewer than 2 tasks.
+        cannot run as a candidate's config says, a variant that changes more
+        than the learned optimizer's options, or fewer than 2 tasks.
     """
     if not checkpoints:
         raise ValueError("select: no checkpoints to choose from")
@@ -157,25 +180,36 @@ def select_checkpoint(
             trained[checkpoint], thetas[checkpoint] = load_theta(local)
     newest = trained[ordered[-1]]
     config = newest if config_changes is None else config_changes(newest)
-    # Every checkpoint must run as the config says; only the newest's changes are reported.
-    changes = {
-        checkpoint: checked_rule_changes(
-            trained[checkpoint].learned_optimizer,
-            config.learned_optimizer,
-            thetas[checkpoint],
-            checkpoint,
-        )
-        for checkpoint in ordered
-    }
+    configs = {"": config}
+    for name, change in (variants or {}).items():
+        configs[name] = change(config)
+        if dataclasses.replace(configs[name], learned_optimizer=config.learned_optimizer) != config:
+            raise ValueError(
+                f"select: variant {name!r} changes more than learned_optimizer options"
+            )
+    # Every checkpoint must run as each candidate says; the newest's base changes are reported.
+    for candidate in configs.values():
+        for checkpoint in ordered:
+            checked_rule_changes(
+                trained[checkpoint].learned_optimizer,
+                candidate.learned_optimizer,
+                thetas[checkpoint],
+                checkpoint,
+            )
+    rule_changes = checked_rule_changes(
+        newest.learned_optimizer, config.learned_optimizer, thetas[ordered[-1]], ordered[-1]
+    )
 
     ev = config.eval
     tasks = num_tasks if num_tasks is not None else (ev.tuning_tasks or ev.num_tasks)
     if tasks < 2:
         raise ValueError(f"select: validation needs at least 2 tasks a setting, got {tasks}")
-    validation = dataclasses.replace(
-        config, eval=dataclasses.replace(ev, seed=ev.seed + 1, num_tasks=tasks)
-    )
-    settings = {s.name: s for s in settings_of(validation)}
+    on_validation_tasks = dataclasses.replace(ev, seed=ev.seed + 1, num_tasks=tasks)
+    validation = {
+        name: dataclasses.replace(candidate, eval=on_validation_tasks)
+        for name, candidate in configs.items()
+    }
+    settings = {s.name: s for s in settings_of(validation[""])}
     names = list(settings) if not setting_names else list(setting_names)
     unknown = [name for name in names if name not in settings]
     if unknown:
@@ -184,20 +218,24 @@ def select_checkpoint(
             f"{', '.join(map(repr, settings))}"
         )
 
-    train = {c: {} for c in ordered}
-    test = {c: {} for c in ordered}
-    unstable = dict.fromkeys(ordered, 0)
-    progress = UnitProgress(len(names) * len(ordered), stream, "select")
+    candidates = [(checkpoint, name) for name in configs for checkpoint in ordered]
+    train = {candidate: {} for candidate in candidates}
+    test = {candidate: {} for candidate in candidates}
+    unstable = dict.fromkeys(candidates, 0)
+    progress = UnitProgress(len(names) * len(candidates), stream, "select")
     try:
-        # Settings outside, checkpoints inside: one compile per setting serves every theta.
-        for name in names:
-            run = learned_optimizer_run(validation, settings[name])
-            for checkpoint in ordered:
-                scores = scores_of(run(thetas[checkpoint]))
-                train[checkpoint][name] = float(np.mean(scores.mean_train_loss))
-                test[checkpoint][name] = float(np.mean(scores.final_test_loss))
-                unstable[checkpoint] += scores.unstable_tasks
-                progress.step(f"{name}: step {steps[checkpoint]}")
+        # Settings outside, checkpoints inside: one compile per setting and variant
+        # serves every theta.
+        for setting in names:
+            for variant, candidate_config in validation.items():
+                run = learned_optimizer_run(candidate_config, settings[setting])
+                for checkpoint in ordered:
+                    scores = scores_of(run(thetas[checkpoint]))
+                    key = (checkpoint, variant)
+                    train[key][setting] = float(np.mean(scores.mean_train_loss))
+                    test[key][setting] = float(np.mean(scores.final_test_loss))
+                    unstable[key] += scores.unstable_tasks
+                    progress.step(f"{setting}: {_label(steps[checkpoint], variant)}")
     finally:
         progress.close()
 
@@ -205,14 +243,15 @@ def select_checkpoint(
         CheckpointValidation(
             checkpoint,
             steps[checkpoint],
-            train[checkpoint],
-            test[checkpoint],
-            unstable[checkpoint],
-            _score(list(train[checkpoint].values())),
+            train[checkpoint, variant],
+            test[checkpoint, variant],
+            unstable[checkpoint, variant],
+            _score(list(train[checkpoint, variant].values())),
+            variant,
         )
-        for checkpoint in ordered
+        for checkpoint, variant in sorted(candidates, key=lambda c: steps[c[0]])
     ]
-    return Selection(names, tasks, validation.eval.seed, changes[ordered[-1]], validations)
+    return Selection(names, tasks, on_validation_tasks.seed, rule_changes, validations)
 
 
 def _score(losses: Sequence[float]) -> float:
@@ -227,9 +266,9 @@ def _score(losses: Sequence[float]) -> float:
 
 
 def format_selection(selection: Selection) -> str:
-    """The validation table: a row per setting, a column per checkpoint, the chosen named."""
+    """The validation table: a row per setting, a column per candidate, the chosen named."""
     chosen = selection.chosen
-    header = ["setting", *(f"step {v.step}" for v in selection.validations)]
+    header = ["setting", *(v.label for v in selection.validations)]
     rows = []
     for name in selection.settings:
         losses = [v.mean_train_loss[name] for v in selection.validations]
@@ -249,7 +288,8 @@ def format_selection(selection: Selection) -> str:
         cells = [row[0].ljust(widths[0])]
         cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells))
-    lines.append(f"chosen: {chosen.checkpoint} (step {chosen.step})")
+    variant = f" with {chosen.variant}" if chosen.variant else ""
+    lines.append(f"chosen: {chosen.checkpoint} (step {chosen.step}){variant}")
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +299,7 @@ def _cell(value: float, marked: bool) -> str:
 
 
 def write_selection(selection: Selection, out_dir: str | os.PathLike[str]) -> str:
-    """Writes ``selection.csv`` (a row per checkpoint) under ``out_dir``; returns its path.
+    """Writes ``selection.csv`` (a row per candidate) under ``out_dir``; returns its path.
 
     ``out_dir`` may be a storage URI.
 
@@ -267,7 +307,8 @@ def write_selection(selection: Selection, out_dir: str | os.PathLike[str]) -> st
       EvalWriteError: it cannot be written.
     """
     check_output_dir(out_dir)
-    columns = ["step", "checkpoint", "chosen", "score", "unstable_tasks", "num_tasks", "seed"]
+    columns = ["step", "checkpoint", "variant", "chosen", "score", "unstable_tasks"]
+    columns += ["num_tasks", "seed"]
     for name in selection.settings:
         columns += [f"{name}: mean_train_loss", f"{name}: final_test_loss"]
     chosen = selection.chosen
@@ -279,7 +320,8 @@ def write_selection(selection: Selection, out_dir: str | os.PathLike[str]) -> st
             writer = csv.writer(file)
             writer.writerow(columns)
             for v in selection.validations:
-                row = [v.step, v.checkpoint, v is chosen, f"{v.score:.6g}", v.unstable_tasks]
+                row = [v.step, v.checkpoint, v.variant, v is chosen, f"{v.score:.6g}"]
+                row.append(v.unstable_tasks)
                 row += [selection.num_tasks, selection.seed]
                 for name in selection.settings:
                     row += [f"{v.mean_train_loss[name]:.6g}", f"{v.final_test_loss[name]:.6g}"]
