@@ -21,11 +21,11 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from popmeta.accelerator_memory import allocate_as_needed
-from popmeta.config import ConfigError, config_to_yaml, load_config
+from popmeta.config import Config, ConfigError, config_to_yaml, load_config
 
 __all__ = ["EXIT_STATUSES", "console", "main"]
 
@@ -286,10 +286,10 @@ def _eval_overrides_refused(command: str, out: str | None, overrides: list[str])
     return None
 
 
-def _with_overrides(overrides: list[str]):
+def _with_overrides(overrides: list[str]) -> Callable[[Config], Config]:
     from popmeta.config import config_from_dict, config_to_dict
 
-    def changed(config):
+    def changed(config: Config) -> Config:
         return config_from_dict(config_to_dict(config), "the checkpoint's config", overrides)
 
     return changed

@@ -182,6 +182,8 @@ def select_checkpoint(
     config = newest if config_changes is None else config_changes(newest)
     configs = {"": config}
     for name, change in (variants or {}).items():
+        if not name:
+            raise ValueError("select: a variant needs a name; the empty one is the rule itself")
         configs[name] = change(config)
         if dataclasses.replace(configs[name], learned_optimizer=config.learned_optimizer) != config:
             raise ValueError(
