@@ -266,6 +266,10 @@ def _train(config, from_checkpoint: str | None) -> int:
             "`popmeta eval` on the last checkpoint adds the longer horizon and the "
             "out-of-distribution settings, a PNG and a CSV"
         )
+    print(
+        f"`popmeta select {result.run_dir}` chooses among the checkpoints it kept, on the "
+        "baselines' tuning tasks"
+    )
     return EX_INTERRUPTED if result.interrupted else 0
 
 

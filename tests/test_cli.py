@@ -208,6 +208,18 @@ def test_eval_compares_the_checkpoint_with_tuned_baselines(trained):
     assert len(read_scalars(eval_dir / "2x_horizon" / "learned")["eval/train_loss"]) == 60
 
 
+def test_select_chooses_among_the_checkpoints_train_kept(trained, capsys):
+    cwd, result = trained
+    run_dir = cwd / "runs" / "cli"
+    assert "`popmeta select runs/cli` chooses among the checkpoints it kept" in result.stdout
+    assert main(["select", str(run_dir), "--settings", "trained horizon", "--tasks", "3"]) == 0
+    out = capsys.readouterr().out
+    kept = [path.name for path in list_checkpoints(run_dir / "checkpoints")]
+    assert len(kept) == 3 and all(f"step {int(name[5:13])}" in out for name in kept)
+    assert re.search(r"^chosen: .*ckpt_\d{8}\.npz \(step \d+\)$", out, re.M)
+    assert (run_dir / "select" / "selection.csv").exists()
+
+
 def test_eval_refuses_to_change_what_was_trained(trained, capsys):
     newest = list_checkpoints(trained[0] / "runs" / "cli" / "checkpoints")[-1]
     assert main(["eval", str(newest), "--set", "task.dim=3"]) == 2
