@@ -95,7 +95,7 @@ def inner_steps_per_estimate(estimator) -> int:
     return estimator.num_members * estimator.truncated_step.num_tasks * estimator.trunc_length
 
 
-def _flops_per_inner_step(name: str, lopt) -> float | None:
+def flops_per_inner_step(name: str, lopt) -> float | None:
     """Matmul FLOPs one inner step of the image task executes (elementwise ops ignored).
 
     The task's forward and backward passes, and the learned optimizer's MLP on
@@ -136,7 +136,7 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     # worker does when it sees several.
     runner = make_runner(estimator, jax.local_devices() if name.endswith(SPLIT) else None)
     theta = lopt.init(jax.random.key(0))
-    flops_per_step = _flops_per_inner_step(base, lopt)
+    flops_per_step = flops_per_inner_step(base, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
     apply = build_apply_estimates_fn(donate_params_and_state=True)
     # Weights passed explicitly: a tree from before they were optional runs this script too.

@@ -13,7 +13,9 @@ Run: ``python bench/population.py [--seconds 8]``
    and the part starts with Ray's own floor on this machine: a round trip to
    an actor method that does nothing, as an actor call and through a
    compiled graph, with the same small arguments and reply.
-2. Weak scaling: 2 actors against 1 on this 2-core machine, cores pinned.
+2. Weak scaling: 2 actors against 1 on this 2-core machine, cores pinned; for
+   (c), the matmul GFLOP/s the actors achieve together and their share of
+   this machine's float32 matmul peak (as ``bench/estimators.py`` counts them).
 3. The learner's capacity: updates/s and estimates/s it absorbs for theta of
    1e3, 1e5 and 1e6 floats when estimates arrive instantly (aggregation, the
    jitted donating Adam step, the host copy of theta and its one ``ray.put``).
@@ -243,8 +245,14 @@ def weak_scaling(sec: float, k: int) -> None:
             [f"estimator.truncations_per_call={k}"],
         ),
     ]
+    from estimators import build_config, flops_per_inner_step, matmul_peak_gflops
+
+    peak = matmul_peak_gflops()
     print("\n2. weak scaling on this 2-core machine, Ray engine, cores pinned (inner-steps/s)")
-    print(f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6}")
+    print(f"   float32 matmul peak (1024x1024): {peak:.1f} GFLOP/s")
+    print(
+        f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6} {'GFLOP/s':>8} {'of peak':>7}"
+    )
     for label, work, extra in rows:
         rates = []
         for n in (1, 2):
@@ -256,7 +264,13 @@ def weak_scaling(sec: float, k: int) -> None:
                 f"population.batch_size={n}",
             )
             rates.append(inner_steps_per_s(cfg, RayPopulation, sec)[0])
-        print(f"   {label:<62} {rates[0]:>10,.0f} {rates[1]:>10,.0f} {rates[1] / rates[0]:>5.2f}x")
+        flops = flops_per_inner_step(work, build_config(work)[0])
+        achieved = "-" if flops is None else f"{rates[1] * flops / 1e9:.1f}"
+        share = "-" if flops is None else f"{100 * rates[1] * flops / 1e9 / peak:.0f}%"
+        print(
+            f"   {label:<62} {rates[0]:>10,.0f} {rates[1]:>10,.0f} {rates[1] / rates[0]:>5.2f}x "
+            f"{achieved:>8} {share:>7}"
+        )
 
 
 def capacity(sec: float) -> None:
