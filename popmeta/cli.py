@@ -16,6 +16,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -313,7 +314,7 @@ def _select(args: argparse.Namespace) -> int:
     refused = _eval_overrides_refused("select", out, overrides)
     if refused:
         return _fail(refused, EX_USAGE)
-    variants = {}
+    variants, variant_sets = {}, {}
     for variant in args.variants:
         changes = variant.split()
         if not changes or not all(c.startswith("learned_optimizer.") for c in changes):
@@ -323,7 +324,7 @@ def _select(args: argparse.Namespace) -> int:
                 EX_USAGE,
             )
         name = " ".join(c.removeprefix("learned_optimizer.") for c in changes)
-        variants[name] = _with_overrides(changes)
+        variants[name], variant_sets[name] = _with_overrides(changes), changes
     if args.last is not None and args.last < 1:
         return _fail(f"select --last {args.last}: expected at least 1 checkpoint", EX_USAGE)
     try:
@@ -350,6 +351,12 @@ def _select(args: argparse.Namespace) -> int:
         return _fail(str(err), EX_USAGE)
     print(format_selection(selection), end="")
     print(f"table (CSV): {written}")
+    chosen = selection.chosen
+    sets = [*overrides, *variant_sets.get(chosen.variant, [])]
+    command = ["popmeta", "eval", chosen.checkpoint, *(a for s in sets for a in ("--set", s))]
+    if any(s.startswith("learned_optimizer.") for s in sets):
+        command += ["--out", join(parent(parent(chosen.checkpoint)), "eval_selected")]
+    print(f"evaluate it: {shlex.join(command)}")
     return 0
 
 

@@ -88,6 +88,7 @@ def test_select_prints_the_table_and_writes_the_csv(run, capsys):
     assert main(["select", str(run_dir), "--settings", "trained horizon", "--tasks", "3"]) == 0
     out = capsys.readouterr().out
     assert f"chosen: {run_dir / 'checkpoints' / 'ckpt_00000200.npz'} (step 200)" in out
+    assert f"evaluate it: popmeta eval {run_dir / 'checkpoints' / 'ckpt_00000200.npz'}\n" in out
     assert "Validation: mean training loss on 3 tasks of seed" in out
     with (run_dir / "select" / "selection.csv").open() as file:
         rows = list(csv.DictReader(file))
@@ -121,6 +122,12 @@ def test_select_takes_checkpoint_files_and_rule_options(run, tmp_path, capsys):
     assert main([*args, "--set", "learned_optimizer.initial_lr=0.5"]) == 0
     out = capsys.readouterr().out
     assert "(step 200)" in out and "with learned_optimizer.initial_lr=0.5" in out
+    # The command that evaluates the chosen one with the options it was chosen with.
+    chosen = run_dir / "checkpoints" / "ckpt_00000200.npz"
+    assert (
+        f"evaluate it: popmeta eval {chosen} --set learned_optimizer.initial_lr=0.5 "
+        f"--out {run_dir / 'eval_selected'}"
+    ) in out
     with (tmp_path / "two" / "selection.csv").open() as file:
         assert [row["step"] for row in csv.DictReader(file)] == ["100", "200"]
 
@@ -199,6 +206,9 @@ def test_a_variant_of_the_rules_options_is_a_candidate_on_the_same_tasks(tmp_pat
     assert main([*args, "--variant", "learned_optimizer.weight_decay=5"]) == 0
     out = capsys.readouterr().out
     assert "step 2, weight_decay=5" in out and "chosen: " in out
+    variant_chosen = out.split("chosen: ", 1)[1].split("\n", 1)[0].endswith("with weight_decay=5")
+    eval_line = out.split("evaluate it: ", 1)[1].split("\n", 1)[0]
+    assert ("--set learned_optimizer.weight_decay=5" in eval_line) == variant_chosen
     with (tmp_path / "variants" / "select" / "selection.csv").open() as file:
         assert [row["variant"] for row in csv.DictReader(file)] == ["", "weight_decay=5"] * 2
     assert main([*args, "--variant", "eval.seed=3"]) == 2
