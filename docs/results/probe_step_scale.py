@@ -28,7 +28,7 @@ import numpy as np
 
 from popmeta.config import config_from_dict, config_to_dict
 from popmeta.core.evaluation import training_curves
-from popmeta.evaluate.baselines import BASELINES, BaselineCache
+from popmeta.evaluate.baselines import BASELINES, BaselineCache, tuning_seed
 from popmeta.evaluate.checkpoints import checked_rule_changes, load_theta
 from popmeta.evaluate.runs import learned_optimizer_run, settings_of, trained_horizon
 from popmeta.evaluate.statistics import scores_of
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--settings: no setting {unknown}; the config's are {sorted(settings)}")
     ev = config.eval
     probe = dataclasses.replace(
-        config, eval=dataclasses.replace(ev, seed=ev.seed + 1, num_tasks=args.tasks)
+        config, eval=dataclasses.replace(ev, seed=tuning_seed(ev.seed), num_tasks=args.tasks)
     )
     horizon, cache = trained_horizon(config), BaselineCache()
     variants = [_with_options(probe, changes, theta) for changes in args.options]

@@ -34,7 +34,14 @@ from popmeta.core.optimizers import SGD, SGDM, Adam, OptaxOptimizer, Optimizer
 from popmeta.core.tasks import TaskFamily
 from popmeta.evaluate.statistics import TaskScores, mean_train_losses, scores_of
 
-__all__ = ["BASELINES", "LEARNING_RATES", "BaselineCache", "TunedBaseline", "tune_baseline"]
+__all__ = [
+    "BASELINES",
+    "LEARNING_RATES",
+    "BaselineCache",
+    "TunedBaseline",
+    "tune_baseline",
+    "tuning_seed",
+]
 
 #: Hand-designed baselines: ``make(learning_rate, num_steps)``.
 BASELINES: dict[str, Callable[[Any, int], Optimizer]] = {
@@ -56,6 +63,11 @@ def _fine_indices(best_coarse: int, size: int) -> np.ndarray:
     """The six grid indices around ``best_coarse`` (clipped at the grid's ends)."""
     around = [best_coarse + d for d in (-3, -2, -1, 1, 2, 3)]
     return np.clip(np.asarray(around), 0, size - 1)
+
+
+def tuning_seed(seed: int) -> int:
+    """The seed of the tuning tasks when the test tasks are drawn from ``seed``."""
+    return seed + 1
 
 
 class TunedBaseline(NamedTuple):
@@ -83,7 +95,7 @@ def tune_baseline(
     # Tuning reads only the training curves: nothing else is copied to the host.
     count = num_tasks if tuning_tasks is None else tuning_tasks
     tune = jax.jit(jax.vmap(lambda lr, key: run(lr, key, count).train_loss, in_axes=(0, None)))
-    tune_key = jax.random.key(seed + 1)
+    tune_key = jax.random.key(tuning_seed(seed))
 
     def tuning_losses(indices: np.ndarray) -> np.ndarray:
         return mean_train_losses(tune(LEARNING_RATES[indices], tune_key)).mean(axis=-1)

@@ -38,11 +38,12 @@ from typing import NamedTuple, TextIO
 import numpy as np
 
 from popmeta.config import Config
+from popmeta.evaluate.baselines import tuning_seed
 from popmeta.evaluate.checkpoints import checked_rule_changes, load_theta
 from popmeta.evaluate.report import EvalWriteError, check_output_dir
 from popmeta.evaluate.runs import UnitProgress, learned_optimizer_run, settings_of
 from popmeta.evaluate.statistics import scores_of
-from popmeta.learner.checkpoints import checkpoint_step, list_checkpoints
+from popmeta.learner.checkpoints import checkpoint_step, is_checkpoint_name, list_checkpoints
 from popmeta.storage import RemoteDir, StorageError, is_remote, join, local_file, local_output_dir
 
 __all__ = [
@@ -121,7 +122,7 @@ def run_checkpoints(location: str | os.PathLike[str]) -> list[str]:
     if is_remote(location):
         remote = RemoteDir(location)
         folder = "checkpoints" if remote.exists("checkpoints") else ""
-        names = [name for name in remote.files(folder) if _is_checkpoint(name)]
+        names = [name for name in remote.files(folder) if is_checkpoint_name(name)]
         found = [join(location, folder, name) if folder else join(location, name) for name in names]
     else:
         folder = Path(location)
@@ -132,14 +133,6 @@ def run_checkpoints(location: str | os.PathLike[str]) -> list[str]:
             f"{location}: no ckpt_<step>.npz checkpoints in it or in its checkpoints/ folder"
         )
     return sorted(found, key=lambda path: checkpoint_step(posixpath.basename(path)))
-
-
-def _is_checkpoint(name: str) -> bool:
-    try:
-        checkpoint_step(name)
-    except ValueError:
-        return False
-    return True
 
 
 def select_checkpoint(
@@ -190,23 +183,23 @@ def select_checkpoint(
                 f"select: variant {name!r} changes more than learned_optimizer options"
             )
     # Every checkpoint must run as each candidate says; the newest's base changes are reported.
-    for candidate in configs.values():
-        for checkpoint in ordered:
-            checked_rule_changes(
-                trained[checkpoint].learned_optimizer,
-                candidate.learned_optimizer,
-                thetas[checkpoint],
-                checkpoint,
-            )
-    rule_changes = checked_rule_changes(
-        newest.learned_optimizer, config.learned_optimizer, thetas[ordered[-1]], ordered[-1]
-    )
+    changes = {
+        (checkpoint, name): checked_rule_changes(
+            trained[checkpoint].learned_optimizer,
+            candidate.learned_optimizer,
+            thetas[checkpoint],
+            checkpoint,
+        )
+        for name, candidate in configs.items()
+        for checkpoint in ordered
+    }
+    rule_changes = changes[ordered[-1], ""]
 
     ev = config.eval
     tasks = num_tasks if num_tasks is not None else (ev.tuning_tasks or ev.num_tasks)
     if tasks < 2:
         raise ValueError(f"select: validation needs at least 2 tasks a setting, got {tasks}")
-    on_validation_tasks = dataclasses.replace(ev, seed=ev.seed + 1, num_tasks=tasks)
+    on_validation_tasks = dataclasses.replace(ev, seed=tuning_seed(ev.seed), num_tasks=tasks)
     validation = {
         name: dataclasses.replace(candidate, eval=on_validation_tasks)
         for name, candidate in configs.items()

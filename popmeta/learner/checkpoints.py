@@ -29,6 +29,7 @@ from popmeta.learner.checkpoint_file import (
 __all__ = [
     "checkpoint_path",
     "checkpoint_step",
+    "is_checkpoint_name",
     "latest_checkpoint",
     "list_checkpoints",
     "restore_latest",
@@ -45,6 +46,11 @@ _Read = TypeVar("_Read")
 def checkpoint_path(directory: PathLike, step: int) -> Path:
     """The file name used for ``step`` in ``directory``."""
     return Path(directory) / f"ckpt_{int(step):08d}.npz"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a file name :func:`checkpoint_path` writes."""
+    return _CKPT_RE.match(name) is not None
 
 
 def checkpoint_step(path: PathLike) -> int:
@@ -64,7 +70,7 @@ def list_checkpoints(directory: PathLike) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [entry for entry in directory.iterdir() if _CKPT_RE.match(entry.name)]
+    found = [entry for entry in directory.iterdir() if is_checkpoint_name(entry.name)]
     return sorted((entry for entry in found if entry.is_file()), key=checkpoint_step)
 
 
