@@ -123,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
         "checkpoints",
         nargs="+",
         metavar="RUN_OR_CKPT",
-        help="a run directory (every checkpoint it kept) or ckpt_*.npz files of one run",
+        help="run directories (every checkpoint each kept; several: the seeds of one config) "
+        "or ckpt_*.npz files",
     )
     select.add_argument(
         "--settings",
@@ -335,7 +336,14 @@ def _select(args: argparse.Namespace) -> int:
             else:
                 kept = run_checkpoints(source)
                 checkpoints += kept if args.last is None else kept[-args.last :]
-        out = out or join(parent(parent(checkpoints[-1])), "select")
+        homes = sorted({parent(parent(checkpoint)) for checkpoint in checkpoints})
+        if out is None and len(homes) > 1:
+            return _fail(
+                f"select: the checkpoints come from {len(homes)} runs ({', '.join(homes)}); "
+                "give --out DIR for the selection's table",
+                EX_USAGE,
+            )
+        out = out or join(homes[0], "select")
         selection = select_checkpoint(
             checkpoints,
             args.settings,

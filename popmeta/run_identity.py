@@ -11,12 +11,11 @@ evaluation at the end) may change on a resume.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import yaml
 
-from popmeta.config import Config, config_from_dict, config_to_dict, config_to_yaml
+from popmeta.config import Config, config_fields, config_from_dict, config_to_yaml
 from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.run_dir import CONFIG_FILE, RunDirectory, RunDirectoryError
 
@@ -48,25 +47,13 @@ SAFE_TO_CHANGE = (
 )
 
 
-def _fields(config: Config) -> dict[str, Any]:
-    """Every field as ``section.field`` (or ``field`` at the top) -> value, a kind's fields too."""
-    flat: dict[str, Any] = {}
-    for section, values in config_to_dict(config).items():
-        if isinstance(values, dict) and dataclasses.is_dataclass(getattr(config, section)):
-            for name, value in values.items():
-                flat[f"{section}.{name}"] = value
-        else:
-            flat[section] = values
-    return flat
-
-
 def _safe(field: str) -> bool:
     return any(field == s or (s.endswith(".") and field.startswith(s)) for s in SAFE_TO_CHANGE)
 
 
 def config_differences(recorded: Config, new: Config) -> list[str]:
     """``"field: old -> new"`` for each field that differs and is not safe to change."""
-    old_fields, new_fields = _fields(recorded), _fields(new)
+    old_fields, new_fields = config_fields(recorded), config_fields(new)
     missing = object()
 
     def shown(fields: dict[str, Any], name: str) -> str:

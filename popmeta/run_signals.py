@@ -39,11 +39,15 @@ class StopSignals:
     at once (``KeyboardInterrupt``), as nothing is trained yet. ``training``:
     the loop stops after the current step (a flag read between steps cannot
     be lost in the middle of a blocking Ray or XLA call), and the run ends
-    with a checkpoint of that step; a second SIGINT stops at once. ``closing`` (the checkpoint is written): the
-    first signal only says so, the next stops at once. SIGHUP is left alone
-    where it is ignored (``nohup``). Python runs signal handlers in the main
-    thread only, so elsewhere (a run started from a worker thread) the process
-    keeps its handlers.
+    with a checkpoint of that step; a second SIGINT stops at once.
+    ``closing`` (the checkpoint is written): the first signal only says so,
+    the next stops at once. Each phase stops at once only once, and later
+    signals in it are ignored: a user who keeps pressing Ctrl-C would
+    otherwise break off the stop's own cleanup and the message that says
+    what was kept, or kill the process by SIGINT after the command chose its
+    exit status. SIGHUP is left alone where it is ignored (``nohup``). Python
+    runs signal handlers in the main thread only, so elsewhere (a run started
+    from a worker thread) the process keeps its handlers.
 
     A handler that raises while the main thread runs a garbage-collector
     callback (JAX registers one) has its ``KeyboardInterrupt`` discarded by
@@ -65,26 +69,35 @@ class StopSignals:
         self.phase = "starting"
         self.trained = False
         self._noted = False
+        self._stopped_in: str | None = None  # the phase a signal stopped at once
         self._previous: dict[int, Any] = {}
         self._previous_unraisable_hook: Any = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         del frame
         name = signal.Signals(signum).name
+        if self.phase == self._stopped_in:
+            return
         if self.phase == "starting":
-            self.received, self.phase = name, "closing"
-            raise KeyboardInterrupt
+            self.received = name
+            self._stop_at_once()
         if self.phase == "training":
             if self.received is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
+                self._stop_at_once()
             self.received = name
             return
         if self.phase == "closing" and self._noted:
-            raise KeyboardInterrupt
+            self._stop_at_once()
         if not self._noted:
             self._noted = True
             waiting = "saving its checkpoint first" if self.phase == "saving" else "closing the run"
             _note(f"\npopmeta: {name}: {waiting}; once more after that stops at once\n")
+
+    def _stop_at_once(self) -> None:
+        self._stopped_in = self.phase
+        if self.phase == "starting":
+            self.phase = "closing"  # what the start built is now being taken down
+        raise KeyboardInterrupt
 
     def _unraisable(self, unraisable: Any) -> None:
         if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.received is not None:

@@ -125,3 +125,29 @@ def test_elsewhere_the_previous_handlers_come_back_after_a_stop(restored_handler
     with pytest.raises(KeyboardInterrupt), StopSignals() as stop:
         stop._handle(signal.SIGINT, None)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_each_phase_stops_at_once_only_once_and_ignores_the_signals_after(capfd):
+    with StopSignals() as stop:
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)  # while starting: at once
+        assert stop.phase == "closing"  # what the start built is being taken down
+        stop._handle(signal.SIGINT, None)  # says so
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)  # at once
+        for _ in range(3):  # Ctrl-C held down: its cleanup and message are not broken off
+            stop._handle(signal.SIGINT, None)
+    assert capfd.readouterr().err.count("once more after that stops at once") == 1
+
+    with StopSignals() as stop:
+        stop.begin_training()
+        stop._handle(signal.SIGINT, None)  # the loop stops after this step
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)  # at once
+        stop._handle(signal.SIGINT, None)  # the loop unwinds towards its final checkpoint
+        stop.phase = "saving"
+        stop._handle(signal.SIGTERM, None)  # says so
+        stop.phase = "closing"
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+        stop._handle(signal.SIGINT, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -213,3 +214,76 @@ def test_a_variant_of_the_rules_options_is_a_candidate_on_the_same_tasks(tmp_pat
         assert [row["variant"] for row in csv.DictReader(file)] == ["", "weight_decay=5"] * 2
     assert main([*args, "--variant", "eval.seed=3"]) == 2
     assert "expected learned_optimizer.KEY=VALUE" in capsys.readouterr().err
+
+
+def _another_run(root, name: str, steps_and_rates: dict[int, float], config):
+    """A run directory ``name`` under ``root`` of ``config`` holding SGD at the given rates."""
+    config = dataclasses.replace(config, name=name, run_dir=str(root))
+    start = Learner.of(learner_start(config)).checkpoint_tree()
+    for step, lr in steps_and_rates.items():
+        learner = start._replace(step=jnp.int32(step), theta={"log_lr": jnp.log(lr)})
+        save_run_checkpoint(
+            root / name / "checkpoints", learner, {}, config_to_dict(config), [], keep=None
+        )
+    return root / name
+
+
+def test_the_seeds_of_one_config_are_chosen_among_at_once(run, tmp_path, capsys):
+    config, run_dir = run
+    # Another seed of the same config, whose checkpoint trains better than any of the run's.
+    seed1 = _another_run(tmp_path, "seed1", {200: 0.5}, dataclasses.replace(config, seed=1))
+    out = tmp_path / "both"
+    args = ["select", str(run_dir), str(seed1), "--settings", "trained horizon", "3x horizon"]
+    assert main(args) == 2  # whose run directory would the table go to?
+    assert "the checkpoints come from 2 runs" in capsys.readouterr().err
+    assert main([*args, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("setting"))
+    labels = ["chosen step 100", "chosen step 200", "chosen step 300", "seed1 step 200"]
+    assert [header.index(label) for label in labels] == sorted(header.index(x) for x in labels)
+    assert f"chosen: {seed1 / 'checkpoints' / 'ckpt_00000200.npz'} (step 200)" in printed
+    with (out / "selection.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(Path(row["checkpoint"]).parts[-3], row["chosen"]) for row in rows] == [
+        ("chosen", "False"),
+        ("chosen", "False"),
+        ("chosen", "False"),
+        ("seed1", "True"),
+    ]
+    # Each is validated on the same tasks as alone: the seed's run changes nothing.
+    alone = select_checkpoint(run_checkpoints(seed1), ["trained horizon", "3x horizon"])
+    assert float(rows[-1]["score"]) == pytest.approx(alone.validations[0].score, rel=1e-5)
+
+
+def test_a_run_validated_otherwise_is_refused_naming_what_differs(run, tmp_path):
+    config, run_dir = run
+    newest = run_checkpoints(run_dir)[-1]
+    other_horizons = dataclasses.replace(
+        config, eval=dataclasses.replace(config.eval, long_horizon_factors=(4,))
+    )
+    horizons = _another_run(tmp_path, "horizons", {100: 0.1}, other_horizons)
+    with pytest.raises(ValueError, match=r"horizons.*otherwise than the newest.*'3x horizon'"):
+        select_checkpoint([*run_checkpoints(horizons), newest])
+    other_seed = dataclasses.replace(config, eval=dataclasses.replace(config.eval, seed=7))
+    tasks = _another_run(tmp_path, "tasks", {100: 0.1}, other_seed)
+    with pytest.raises(ValueError, match=r"eval\.seed is 7, the newest's 1234"):
+        select_checkpoint([*run_checkpoints(tasks), newest])
+
+    options = {**config.learned_optimizer.options, "initial_lr": 0.5}
+    other_rule = dataclasses.replace(
+        config,
+        learned_optimizer=dataclasses.replace(config.learned_optimizer, options=options),
+    )
+    rule = _another_run(tmp_path, "rule", {100: 0.1}, other_rule)
+    with pytest.raises(ValueError, match=r"learned_optimizer\.initial_lr is 0\.5, the newest's"):
+        select_checkpoint([*run_checkpoints(rule), newest], ["trained horizon"])
+
+    # Set alike for every checkpoint, the option no longer tells them apart.
+    def alike(config):
+        lo = dataclasses.replace(config.learned_optimizer, options=options)
+        return dataclasses.replace(config, learned_optimizer=lo)
+
+    chosen = select_checkpoint(
+        [*run_checkpoints(rule), newest], ["trained horizon"], config_changes=alike
+    ).chosen
+    assert Path(chosen.checkpoint).parts[-3] == "rule" and chosen.run == "rule"

@@ -21,6 +21,7 @@ from popmeta.config.kind_sections import (
     TruncationConfig,
 )
 from popmeta.config.loading import (
+    config_fields,
     config_from_dict,
     config_to_dict,
     config_to_yaml,
@@ -46,6 +47,7 @@ __all__ = [
     "TaskConfig",
     "TrainConfig",
     "TruncationConfig",
+    "config_fields",
     "config_from_dict",
     "config_to_dict",
     "config_to_yaml",

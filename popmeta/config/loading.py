@@ -30,7 +30,14 @@ from popmeta.config.renamed import upgrade_recorded
 from popmeta.config.schema import Config
 from popmeta.config.values import ConfigError
 
-__all__ = ["config_from_dict", "config_to_dict", "config_to_yaml", "load_config", "module_dirs"]
+__all__ = [
+    "config_fields",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_yaml",
+    "load_config",
+    "module_dirs",
+]
 
 
 def _search_path(raw: Mapping[str, Any], given: Sequence[str | Path]) -> tuple[str, ...]:
@@ -164,6 +171,18 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     """The config as nested plain dicts (YAML- and JSON-safe); inverse of
     :func:`config_from_dict`. A kind's fields sit beside ``kind`` in its section."""
     return _section_to_dict(cfg)
+
+
+def config_fields(cfg: Config) -> dict[str, Any]:
+    """Every field as ``section.field`` (``field`` at the top) -> its plain value; a kind's
+    fields sit in its section (``learned_optimizer.weight_decay``)."""
+    flat: dict[str, Any] = {}
+    for section, values in config_to_dict(cfg).items():
+        if isinstance(values, dict) and dataclasses.is_dataclass(getattr(cfg, section)):
+            flat.update((f"{section}.{name}", value) for name, value in values.items())
+        else:
+            flat[section] = values
+    return flat
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -22,6 +22,14 @@ options are chosen on the validation tasks as the checkpoint is. The chosen
 candidate has the fewest unstable validation tasks (final test loss above
 the initial one, or not finite), then the lowest score, then the latest
 step, then the rule without a variant.
+
+The checkpoints may come from several runs, such as the seeds of one config:
+the validation tasks are the same for every run whose config names the same
+settings and evaluation seed, so a user who meta-trained several seeds
+chooses among all of them at once. Every checkpoint must then be validated
+as the newest is (the same settings, tasks and rule options, after the
+``--set`` changes); one that would be validated otherwise is refused, naming
+what differs.
 """
 
 from __future__ import annotations
@@ -37,14 +45,22 @@ from typing import NamedTuple, TextIO
 
 import numpy as np
 
-from popmeta.config import Config
+from popmeta.config import Config, config_fields
 from popmeta.evaluate.baselines import tuning_seed
 from popmeta.evaluate.checkpoints import checked_rule_changes, load_theta
 from popmeta.evaluate.report import EvalWriteError, check_output_dir
 from popmeta.evaluate.runs import UnitProgress, learned_optimizer_run, settings_of
 from popmeta.evaluate.statistics import scores_of
 from popmeta.learner.checkpoints import checkpoint_step, is_checkpoint_name, list_checkpoints
-from popmeta.storage import RemoteDir, StorageError, is_remote, join, local_file, local_output_dir
+from popmeta.storage import (
+    RemoteDir,
+    StorageError,
+    is_remote,
+    join,
+    local_file,
+    local_output_dir,
+    parent,
+)
 
 __all__ = [
     "CheckpointValidation",
@@ -69,6 +85,7 @@ class CheckpointValidation(NamedTuple):
         initial one or not finite.
       score: geometric mean over settings of ``mean_train_loss``.
       variant: the variant's name; empty for the rule without one.
+      run: the run's name where the candidates come from several runs; else empty.
     """
 
     checkpoint: str
@@ -78,18 +95,49 @@ class CheckpointValidation(NamedTuple):
     unstable_tasks: int
     score: float
     variant: str = ""
+    run: str = ""
 
     @property
     def label(self) -> str:
-        return _label(self.step, self.variant)
+        return _label(self.step, self.variant, self.run)
 
 
-def _label(step: int, variant: str) -> str:
-    return f"step {step}" + (f", {variant}" if variant else "")
+def _label(step: int, variant: str, run: str = "") -> str:
+    return (f"{run} " if run else "") + f"step {step}" + (f", {variant}" if variant else "")
+
+
+def _run_name(checkpoint: str) -> str:
+    """The name of the run a checkpoint belongs to: its run directory's, or its folder's."""
+    folder = parent(checkpoint)
+    if posixpath.basename(folder.rstrip("/")) == "checkpoints":
+        folder = parent(folder)
+    return posixpath.basename(folder.rstrip("/"))
+
+
+def _validated_otherwise(config: Config, newest: Config, num_tasks: int | None) -> str | None:
+    """How a checkpoint whose config is ``config`` would be validated otherwise than the
+    newest (its rule options, its tasks, its settings), or None."""
+    fields, newest_fields = config_fields(config), config_fields(newest)
+    for name in sorted(set(fields) | set(newest_fields)):
+        if name.startswith("learned_optimizer.") and fields.get(name) != newest_fields.get(name):
+            return f"{name} is {fields.get(name)!r}, the newest's {newest_fields.get(name)!r}"
+    if config.eval.seed != newest.eval.seed:
+        return f"eval.seed is {config.eval.seed}, the newest's {newest.eval.seed}"
+    if num_tasks is None:
+        tasks, newest_tasks = (c.eval.tuning_tasks or c.eval.num_tasks for c in (config, newest))
+        if tasks != newest_tasks:
+            return f"its validation tasks are {tasks} a setting, the newest's {newest_tasks}"
+    settings = {s.name: s for s in settings_of(config)}
+    for setting in settings_of(newest):
+        if settings.pop(setting.name, None) != setting:
+            return f"its setting {setting.name!r} differs or is missing"
+    if settings:
+        return f"it has settings the newest has not: {', '.join(map(repr, settings))}"
+    return None
 
 
 class Selection(NamedTuple):
-    """Every candidate's validation, oldest checkpoint first, and which one is chosen.
+    """Every candidate's validation (by run, then oldest checkpoint first), and which is chosen.
 
     Attributes:
       rule_changes: learned-optimizer options run otherwise than trained
@@ -146,8 +194,9 @@ def select_checkpoint(
     """Validates every checkpoint (see the module docstring) and returns them all.
 
     Args:
-      checkpoints: ``ckpt_*.npz`` files (or storage URIs) of one run. The newest's
-        config, after ``config_changes``, says what every checkpoint runs and where.
+      checkpoints: ``ckpt_*.npz`` files (or storage URIs) of one run or of several.
+        The newest's config, after ``config_changes``, says what every checkpoint
+        runs and where; each other checkpoint's own config must say the same.
       setting_names: the settings to validate in, as ``popmeta eval`` names them;
         default every one.
       num_tasks: validation tasks per setting; default ``eval.tuning_tasks``
@@ -160,8 +209,10 @@ def select_checkpoint(
 
     Raises:
       ValueError: no checkpoints, an unknown setting, a checkpoint whose theta
-        cannot run as a candidate's config says, a variant that changes more
-        than the learned optimizer's options, or fewer than 2 tasks.
+        cannot run as a candidate's config says or whose own config would
+        validate it otherwise than the newest's (another run's settings, tasks
+        or rule options), a variant that changes more than the learned
+        optimizer's options, or fewer than 2 tasks.
     """
     if not checkpoints:
         raise ValueError("select: no checkpoints to choose from")
@@ -194,6 +245,18 @@ def select_checkpoint(
         for checkpoint in ordered
     }
     rule_changes = changes[ordered[-1], ""]
+    for checkpoint in ordered[:-1]:
+        own = trained[checkpoint] if config_changes is None else config_changes(trained[checkpoint])
+        otherwise = _validated_otherwise(own, config, num_tasks)
+        if otherwise:
+            raise ValueError(
+                f"select: {checkpoint} would be validated otherwise than the newest, "
+                f"{ordered[-1]}: {otherwise}. Choose among runs of one config (its seeds), "
+                "set the option alike for all with --set, or select them separately"
+            )
+    runs = {checkpoint: _run_name(checkpoint) for checkpoint in ordered}
+    if len(set(runs.values())) == 1:
+        runs = dict.fromkeys(ordered, "")
 
     ev = config.eval
     tasks = num_tasks if num_tasks is not None else (ev.tuning_tasks or ev.num_tasks)
@@ -230,7 +293,9 @@ def select_checkpoint(
                     train[key][setting] = float(np.mean(scores.mean_train_loss))
                     test[key][setting] = float(np.mean(scores.final_test_loss))
                     unstable[key] += scores.unstable_tasks
-                    progress.step(f"{setting}: {_label(steps[checkpoint], variant)}")
+                    progress.step(
+                        f"{setting}: {_label(steps[checkpoint], variant, runs[checkpoint])}"
+                    )
     finally:
         progress.close()
 
@@ -243,8 +308,9 @@ def select_checkpoint(
             unstable[checkpoint, variant],
             _score(list(train[checkpoint, variant].values())),
             variant,
+            runs[checkpoint],
         )
-        for checkpoint, variant in sorted(candidates, key=lambda c: steps[c[0]])
+        for checkpoint, variant in sorted(candidates, key=lambda c: (runs[c[0]], steps[c[0]]))
     ]
     return Selection(names, tasks, on_validation_tasks.seed, rule_changes, validations)
 
