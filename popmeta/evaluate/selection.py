@@ -23,13 +23,13 @@ candidate has the fewest unstable validation tasks (final test loss above
 the initial one, or not finite), then the lowest score, then the latest
 step, then the rule without a variant.
 
-The checkpoints may come from several runs, such as the seeds of one config:
-the validation tasks are the same for every run whose config names the same
-settings and evaluation seed, so a user who meta-trained several seeds
-chooses among all of them at once. Every checkpoint must then be validated
-as the newest is (the same settings, tasks and rule options, after the
-``--set`` changes); one that would be validated otherwise is refused, naming
-what differs.
+The checkpoints may come from several runs, such as the seeds of one config
+(a user who meta-trained several chooses among all of them at once). Every
+checkpoint is validated in the newest's settings, on its tasks and with its
+rule options (after the ``--set`` changes), so the comparison is fair
+whatever the other runs' configs; a checkpoint trained with other rule
+options than the newest's would run otherwise than trained, and is refused,
+naming the option.
 """
 
 from __future__ import annotations
@@ -114,25 +114,12 @@ def _run_name(checkpoint: str) -> str:
     return posixpath.basename(folder.rstrip("/"))
 
 
-def _validated_otherwise(config: Config, newest: Config, num_tasks: int | None) -> str | None:
-    """How a checkpoint whose config is ``config`` would be validated otherwise than the
-    newest (its rule options, its tasks, its settings), or None."""
+def _options_otherwise(config: Config, newest: Config) -> str | None:
+    """The first learned-optimizer option ``config`` sets otherwise than ``newest``, or None."""
     fields, newest_fields = config_fields(config), config_fields(newest)
     for name in sorted(set(fields) | set(newest_fields)):
         if name.startswith("learned_optimizer.") and fields.get(name) != newest_fields.get(name):
             return f"{name} is {fields.get(name)!r}, the newest's {newest_fields.get(name)!r}"
-    if config.eval.seed != newest.eval.seed:
-        return f"eval.seed is {config.eval.seed}, the newest's {newest.eval.seed}"
-    if num_tasks is None:
-        tasks, newest_tasks = (c.eval.tuning_tasks or c.eval.num_tasks for c in (config, newest))
-        if tasks != newest_tasks:
-            return f"its validation tasks are {tasks} a setting, the newest's {newest_tasks}"
-    settings = {s.name: s for s in settings_of(config)}
-    for setting in settings_of(newest):
-        if settings.pop(setting.name, None) != setting:
-            return f"its setting {setting.name!r} differs or is missing"
-    if settings:
-        return f"it has settings the newest has not: {', '.join(map(repr, settings))}"
     return None
 
 
@@ -196,7 +183,7 @@ def select_checkpoint(
     Args:
       checkpoints: ``ckpt_*.npz`` files (or storage URIs) of one run or of several.
         The newest's config, after ``config_changes``, says what every checkpoint
-        runs and where; each other checkpoint's own config must say the same.
+        runs and where; each checkpoint's own rule options must be the same.
       setting_names: the settings to validate in, as ``popmeta eval`` names them;
         default every one.
       num_tasks: validation tasks per setting; default ``eval.tuning_tasks``
@@ -209,10 +196,9 @@ def select_checkpoint(
 
     Raises:
       ValueError: no checkpoints, an unknown setting, a checkpoint whose theta
-        cannot run as a candidate's config says or whose own config would
-        validate it otherwise than the newest's (another run's settings, tasks
-        or rule options), a variant that changes more than the learned
-        optimizer's options, or fewer than 2 tasks.
+        cannot run as a candidate's config says or that was trained with other
+        rule options than the newest (another run's), a variant that changes
+        more than the learned optimizer's options, or fewer than 2 tasks.
     """
     if not checkpoints:
         raise ValueError("select: no checkpoints to choose from")
@@ -247,12 +233,13 @@ def select_checkpoint(
     rule_changes = changes[ordered[-1], ""]
     for checkpoint in ordered[:-1]:
         own = trained[checkpoint] if config_changes is None else config_changes(trained[checkpoint])
-        otherwise = _validated_otherwise(own, config, num_tasks)
+        otherwise = _options_otherwise(own, config)
         if otherwise:
             raise ValueError(
-                f"select: {checkpoint} would be validated otherwise than the newest, "
-                f"{ordered[-1]}: {otherwise}. Choose among runs of one config (its seeds), "
-                "set the option alike for all with --set, or select them separately"
+                f"select: {checkpoint} was trained with other rule options than the newest, "
+                f"{ordered[-1]}, and would run otherwise than trained: {otherwise}. Set the "
+                "option alike for all with --set learned_optimizer.KEY=VALUE, or select them "
+                "separately"
             )
     runs = {checkpoint: _run_name(checkpoint) for checkpoint in ordered}
     if len(set(runs.values())) == 1:
