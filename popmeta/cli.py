@@ -306,6 +306,7 @@ def _select(args: argparse.Namespace) -> int:
         EvalWriteError,
         format_selection,
         run_checkpoints,
+        run_of,
         select_checkpoint,
         write_selection,
     )
@@ -336,7 +337,7 @@ def _select(args: argparse.Namespace) -> int:
             else:
                 kept = run_checkpoints(source)
                 checkpoints += kept if args.last is None else kept[-args.last :]
-        homes = sorted({parent(parent(checkpoint)) for checkpoint in checkpoints})
+        homes = sorted({run_of(checkpoint) for checkpoint in checkpoints})
         if out is None and len(homes) > 1:
             return _fail(
                 f"select: the checkpoints come from {len(homes)} runs ({', '.join(homes)}); "

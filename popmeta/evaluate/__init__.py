@@ -35,6 +35,7 @@ from popmeta.evaluate.selection import (
     Selection,
     format_selection,
     run_checkpoints,
+    run_of,
     select_checkpoint,
     write_selection,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "load_theta",
     "paired_interval",
     "run_checkpoints",
+    "run_of",
     "scores_of",
     "select_checkpoint",
     "settings_of",

@@ -67,6 +67,7 @@ __all__ = [
     "Selection",
     "format_selection",
     "run_checkpoints",
+    "run_of",
     "select_checkpoint",
     "write_selection",
 ]
@@ -106,12 +107,16 @@ def _label(step: int, variant: str, run: str = "") -> str:
     return (f"{run} " if run else "") + f"step {step}" + (f", {variant}" if variant else "")
 
 
-def _run_name(checkpoint: str) -> str:
-    """The name of the run a checkpoint belongs to: its run directory's, or its folder's."""
+def run_of(checkpoint: str) -> str:
+    """The run directory a checkpoint belongs to: above its ``checkpoints/``, else its folder."""
     folder = parent(checkpoint)
     if posixpath.basename(folder.rstrip("/")) == "checkpoints":
         folder = parent(folder)
-    return posixpath.basename(folder.rstrip("/"))
+    return folder
+
+
+def _run_name(checkpoint: str) -> str:
+    return posixpath.basename(run_of(checkpoint).rstrip("/"))
 
 
 def _options_otherwise(config: Config, newest: Config) -> str | None:
