@@ -15,7 +15,12 @@ import pytest
 from popmeta.cli import main
 from popmeta.config import config_to_dict
 from popmeta.core.evaluation import training_curves
-from popmeta.evaluate.selection import run_checkpoints, select_checkpoint
+from popmeta.evaluate.selection import (
+    CheckpointValidation,
+    Selection,
+    run_checkpoints,
+    select_checkpoint,
+)
 from popmeta.experiment import build_learned_optimizer, build_task_family, learner_start
 from popmeta.learner.checkpoint_layout import save_run_checkpoint
 from popmeta.learner.learner import Learner
@@ -55,8 +60,36 @@ def test_the_checkpoint_that_trains_best_on_the_validation_tasks_is_chosen(run):
     # The newest checkpoint blows up: never chosen, however its score reads.
     assert blown.unstable_tasks > 0 and slow.unstable_tasks == 0 == good.unstable_tasks
     assert good.score < slow.score
-    geometric = math.exp(np.mean(np.log(list(good.mean_train_loss.values()))))
-    assert good.score == pytest.approx(geometric, rel=1e-12)
+    losses = [*good.mean_train_loss.values(), *good.final_test_loss.values()]
+    assert len(losses) == 4
+    assert good.score == pytest.approx(math.exp(np.mean(np.log(losses))), rel=1e-12)
+
+
+def _validation(step: int, train: float, test: float, unstable: int = 0) -> CheckpointValidation:
+    settings = ["trained horizon", "5x horizon"]
+    return CheckpointValidation(
+        f"ckpt_{step:08d}.npz",
+        step,
+        dict.fromkeys(settings, train),
+        dict.fromkeys(settings, test),
+        unstable,
+    )
+
+
+def test_the_score_reads_the_test_loss_too_so_an_overfit_checkpoint_is_not_chosen():
+    overfit = _validation(300, train=0.08, test=0.30)
+    general = _validation(200, train=0.10, test=0.12)
+    selection = Selection(["trained horizon", "5x horizon"], 8, 1, [], [general, overfit])
+    assert selection.chosen is general
+    assert general.score == pytest.approx(math.sqrt(0.10 * 0.12), rel=1e-12)
+    # Fewer unstable tasks still come first, whatever the losses.
+    blown = _validation(400, train=0.01, test=0.01, unstable=1)
+    assert Selection(selection.settings, 8, 1, [], [blown, overfit]).chosen is overfit
+    # A diverged setting scores infinite; a setting solved exactly, zero (the best).
+    assert _validation(500, train=0.1, test=math.inf).score == math.inf
+    assert _validation(600, train=0.1, test=0.0).score == 0.0
+    # A negative loss (additive noise) has no geometric mean: the arithmetic one stands in.
+    assert _validation(700, train=0.1, test=-0.05).score == pytest.approx(0.025)
 
 
 def test_validation_runs_on_the_baselines_tuning_tasks_not_the_test_tasks(run):
@@ -90,7 +123,8 @@ def test_select_prints_the_table_and_writes_the_csv(run, capsys):
     out = capsys.readouterr().out
     assert f"chosen: {run_dir / 'checkpoints' / 'ckpt_00000200.npz'} (step 200)" in out
     assert f"evaluate it: popmeta eval {run_dir / 'checkpoints' / 'ckpt_00000200.npz'}\n" in out
-    assert "Validation: mean training loss on 3 tasks of seed" in out
+    assert "Validation on 3 tasks of seed" in out
+    assert "trained horizon: train" in out and "trained horizon: test" in out
     with (run_dir / "select" / "selection.csv").open() as file:
         rows = list(csv.DictReader(file))
     assert [(r["step"], r["chosen"]) for r in rows] == [

@@ -9,11 +9,16 @@ tasks the baselines' learning rates are tuned on (the same tasks when
 ``num_tasks`` is ``eval.tuning_tasks``, the default). The checkpoint, like the
 baselines' learning rates, is chosen on tasks the evaluation never tests on.
 
-A checkpoint's score is the geometric mean over settings of its mean
-training loss (each task's loss averaged over the curve, then averaged over
-tasks), so that every setting counts the same whatever its loss scale; it is
-the quantity the baselines are tuned on (where a loss is not positive, as a
-loss with additive noise can be, the arithmetic mean stands in).
+A checkpoint's score is the geometric mean, over settings and over both
+quantities, of its mean training loss (each task's loss averaged over the
+curve, then averaged over tasks) and its final test loss (averaged over
+tasks), so that every setting and both quantities count the same whatever
+their loss scale (where a loss is negative, as a loss with additive noise
+can be, the arithmetic mean stands in). Both, because ``popmeta eval``
+judges both: over six seeds of the generalist, the candidate that trains
+fastest on the validation tasks overfitted on one (docs/generalist.md,
+"Choosing the checkpoint"), and reading the test loss too chose candidates
+that met the bar in 85 settings of 102 against 80.
 
 *Variants* are candidates too: the learned optimizer's options that no
 meta-parameter stands for (a hand-designed brake, weight decay), set
@@ -84,7 +89,6 @@ class CheckpointValidation(NamedTuple):
       final_test_loss: setting name -> mean over tasks of the test loss after the last step.
       unstable_tasks: over every setting, tasks whose final test loss is above their
         initial one or not finite.
-      score: geometric mean over settings of ``mean_train_loss``.
       variant: the variant's name; empty for the rule without one.
       run: the run's name where the candidates come from several runs; else empty.
     """
@@ -94,13 +98,17 @@ class CheckpointValidation(NamedTuple):
     mean_train_loss: dict[str, float]
     final_test_loss: dict[str, float]
     unstable_tasks: int
-    score: float
     variant: str = ""
     run: str = ""
 
     @property
     def label(self) -> str:
         return _label(self.step, self.variant, self.run)
+
+    @property
+    def score(self) -> float:
+        """The geometric mean over settings of ``mean_train_loss`` and ``final_test_loss``."""
+        return _score([*self.mean_train_loss.values(), *self.final_test_loss.values()])
 
 
 def _label(step: int, variant: str, run: str = "") -> str:
@@ -298,7 +306,6 @@ def select_checkpoint(
             train[checkpoint, variant],
             test[checkpoint, variant],
             unstable[checkpoint, variant],
-            _score(list(train[checkpoint, variant].values())),
             variant,
             runs[checkpoint],
         )
@@ -308,14 +315,16 @@ def select_checkpoint(
 
 
 def _score(losses: Sequence[float]) -> float:
-    """The geometric mean of ``losses``; their mean when one is not positive (a loss
-    with additive noise can be negative); infinite when one is."""
+    """The geometric mean of ``losses`` (zero when one is zero); their mean when one
+    is negative (a loss with additive noise can be); infinite when one is."""
     values = np.asarray(losses, np.float64)
     if not np.all(np.isfinite(values)):
         return math.inf
-    if np.all(values > 0):
-        return float(np.exp(np.mean(np.log(values))))
-    return float(np.mean(values))
+    if np.any(values < 0):
+        return float(np.mean(values))
+    if np.any(values == 0):
+        return 0.0
+    return float(np.exp(np.mean(np.log(values))))
 
 
 def format_selection(selection: Selection) -> str:
@@ -323,16 +332,18 @@ def format_selection(selection: Selection) -> str:
     chosen = selection.chosen
     header = ["setting", *(v.label for v in selection.validations)]
     rows = []
-    for name in selection.settings:
-        losses = [v.mean_train_loss[name] for v in selection.validations]
-        best = min(losses)
-        rows.append([name, *(_cell(loss, loss == best) for loss in losses)])
+    for quantity, of in (("train", "mean_train_loss"), ("test", "final_test_loss")):
+        for name in selection.settings:
+            losses = [getattr(v, of)[name] for v in selection.validations]
+            best = min(losses)
+            rows.append([f"{name}: {quantity}", *(_cell(loss, loss == best) for loss in losses)])
     rows.append(["unstable tasks", *(str(v.unstable_tasks) for v in selection.validations)])
     rows.append(["score", *(_cell(v.score, v is chosen) for v in selection.validations)])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     title = (
-        f"Validation: mean training loss on {selection.num_tasks} tasks of seed "
-        f"{selection.seed} per setting (* the lowest; score: the geometric mean over settings)"
+        f"Validation on {selection.num_tasks} tasks of seed {selection.seed} per setting: "
+        "mean training loss (train) and final test loss (test), * the lowest; score: the "
+        "geometric mean of both over settings"
     )
     if selection.rule_changes:
         title += f", with {', '.join(selection.rule_changes)}"
