@@ -310,7 +310,7 @@ def _select(args: argparse.Namespace) -> int:
         select_checkpoint,
         write_selection,
     )
-    from popmeta.storage import join, parent
+    from popmeta.storage import join
 
     out, overrides = args.out, args.overrides
     refused = _eval_overrides_refused("select", out, overrides)
@@ -364,7 +364,7 @@ def _select(args: argparse.Namespace) -> int:
     sets = [*overrides, *variant_sets.get(chosen.variant, [])]
     command = ["popmeta", "eval", chosen.checkpoint, *(a for s in sets for a in ("--set", s))]
     if any(s.startswith("learned_optimizer.") for s in sets):
-        command += ["--out", join(parent(parent(chosen.checkpoint)), "eval_selected")]
+        command += ["--out", join(run_of(chosen.checkpoint), "eval_selected")]
     print(f"evaluate it: {shlex.join(command)}")
     return 0
 

@@ -287,6 +287,10 @@ def test_the_seeds_of_one_config_are_chosen_among_at_once(run, tmp_path, capsys)
     # Each is validated on the same tasks as alone: the seed's run changes nothing.
     alone = select_checkpoint(run_checkpoints(seed1), ["trained horizon", "3x horizon"])
     assert float(rows[-1]["score"]) == pytest.approx(alone.validations[0].score, rel=1e-5)
+    # Two runs of one name in different folders are told apart by their paths.
+    twin = _another_run(tmp_path / "elsewhere", "seed1", {100: 0.1}, config)
+    both = select_checkpoint([*run_checkpoints(seed1), *run_checkpoints(twin)], ["3x horizon"])
+    assert sorted(v.run for v in both.validations) == sorted([str(seed1), str(twin)])
 
 
 def test_other_runs_are_validated_as_the_newest_and_other_rule_options_refused(run, tmp_path):

@@ -123,8 +123,14 @@ def run_of(checkpoint: str) -> str:
     return folder
 
 
-def _run_name(checkpoint: str) -> str:
-    return posixpath.basename(run_of(checkpoint).rstrip("/"))
+def _run_names(checkpoints: Sequence[str]) -> dict[str, str]:
+    """Each checkpoint's run as its columns are labelled: the run directory's name, its
+    whole path where two runs share a name; empty for all when there is one run."""
+    homes = {checkpoint: run_of(checkpoint).rstrip("/") for checkpoint in checkpoints}
+    if len(set(homes.values())) == 1:
+        return dict.fromkeys(checkpoints, "")
+    names = {checkpoint: posixpath.basename(home) for checkpoint, home in homes.items()}
+    return names if len(set(names.values())) == len(set(homes.values())) else homes
 
 
 def _options_otherwise(config: Config, newest: Config) -> str | None:
@@ -254,9 +260,7 @@ def select_checkpoint(
                 "option alike for all with --set learned_optimizer.KEY=VALUE, or select them "
                 "separately"
             )
-    runs = {checkpoint: _run_name(checkpoint) for checkpoint in ordered}
-    if len(set(runs.values())) == 1:
-        runs = dict.fromkeys(ordered, "")
+    runs = _run_names(ordered)
 
     ev = config.eval
     tasks = num_tasks if num_tasks is not None else (ev.tuning_tasks or ev.num_tasks)
