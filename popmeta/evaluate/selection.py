@@ -90,7 +90,8 @@ class CheckpointValidation(NamedTuple):
       unstable_tasks: over every setting, tasks whose final test loss is above their
         initial one or not finite.
       variant: the variant's name; empty for the rule without one.
-      run: the run's name where the candidates come from several runs; else empty.
+      run: the run directory's name where the candidates come from several runs (its
+        path where two runs share a name); else empty.
     """
 
     checkpoint: str
