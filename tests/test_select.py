@@ -303,7 +303,7 @@ def test_other_runs_are_validated_as_the_newest_and_other_rule_options_refused(r
     )
     other = _another_run(tmp_path, "elsewhere", {100: 0.1}, elsewhere)
     both = select_checkpoint([*run_checkpoints(other), newest])
-    assert both.seed == 1235 and both.settings == ["trained horizon", "3x horizon"]
+    assert both.seed == config.eval.seed + 1 and both.settings == ["trained horizon", "3x horizon"]
     assert [v.run for v in both.validations] == ["chosen", "elsewhere"]
 
     options = {**config.learned_optimizer.options, "initial_lr": 0.5}

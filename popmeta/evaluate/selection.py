@@ -118,8 +118,8 @@ def _label(step: int, variant: str, run: str = "") -> str:
 
 def run_of(checkpoint: str) -> str:
     """The run directory a checkpoint belongs to: above its ``checkpoints/``, else its folder."""
-    folder = parent(checkpoint)
-    if posixpath.basename(folder.rstrip("/")) == "checkpoints":
+    folder = parent(checkpoint)  # never with a trailing "/"
+    if posixpath.basename(folder) == "checkpoints":
         folder = parent(folder)
     return folder
 
@@ -127,7 +127,7 @@ def run_of(checkpoint: str) -> str:
 def _run_names(checkpoints: Sequence[str]) -> dict[str, str]:
     """Each checkpoint's run as its columns are labelled: the run directory's name, its
     whole path where two runs share a name; empty for all when there is one run."""
-    homes = {checkpoint: run_of(checkpoint).rstrip("/") for checkpoint in checkpoints}
+    homes = {checkpoint: run_of(checkpoint) for checkpoint in checkpoints}
     if len(set(homes.values())) == 1:
         return dict.fromkeys(checkpoints, "")
     names = {checkpoint: posixpath.basename(home) for checkpoint, home in homes.items()}
@@ -333,13 +333,17 @@ def _score(losses: Sequence[float]) -> float:
 
 
 def format_selection(selection: Selection) -> str:
-    """The validation table: a row per setting, a column per candidate, the chosen named."""
+    """The validation table: two rows per setting (training and test loss), a column per
+    candidate, the chosen named."""
     chosen = selection.chosen
     header = ["setting", *(v.label for v in selection.validations)]
     rows = []
-    for quantity, of in (("train", "mean_train_loss"), ("test", "final_test_loss")):
+    for quantity, per_candidate in (
+        ("train", [v.mean_train_loss for v in selection.validations]),
+        ("test", [v.final_test_loss for v in selection.validations]),
+    ):
         for name in selection.settings:
-            losses = [getattr(v, of)[name] for v in selection.validations]
+            losses = [candidate[name] for candidate in per_candidate]
             best = min(losses)
             rows.append([f"{name}: {quantity}", *(_cell(loss, loss == best) for loss in losses)])
     rows.append(["unstable tasks", *(str(v.unstable_tasks) for v in selection.validations)])
