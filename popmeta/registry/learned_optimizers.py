@@ -121,6 +121,7 @@ def normalized_mlp(
     loss_guard_relative: NonNegativeFloat = 0.0,
     fan_in_base: PositiveFloat | None = None,
     fan_in_power: NonNegativeFloat = 0.5,
+    sign_symmetric: bool = False,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -147,6 +148,8 @@ def normalized_mlp(
         (B / fan_in) ** fan_in_power of the step size, as wider layers than meta-training's
         need; none by default.
     fan_in_power: the power of that factor (another value than 0.5 needs fan_in_base).
+    sign_symmetric: whether the step of a parameter negated with its gradient history is the
+        step negated, as Adam's is (the MLP runs twice: on the features and on their mirror).
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -165,5 +168,6 @@ def normalized_mlp(
         loss_guard_relative=loss_guard_relative,
         fan_in_base=fan_in_base,
         fan_in_power=fan_in_power,
+        sign_symmetric=sign_symmetric,
         mlp_dtype=mlp_dtype,
     )

@@ -303,6 +303,66 @@ def test_braked_weight_decay_rises_from_weight_decay_as_the_brake_engages():
         NormalizedMLPLOpt(loss_guard=0.05, braked_weight_decay=-0.1)
 
 
+@pytest.mark.parametrize("step_rms", ["equal", "at_most"])
+def test_sign_symmetric_steps_a_parameter_negated_with_its_gradients_by_the_step_negated(step_rms):
+    """Odd in (p, g, m), as Adam and decoupled decay are, for any theta; without it, not."""
+    options = dict(
+        initial_lr=0.02,
+        step_rms=step_rms,
+        correction_scale="adam",
+        element_clip=3.0,
+        weight_decay=0.1,
+        loss_guard=0.01,
+    )
+    symmetric = NormalizedMLPLOpt(sign_symmetric=True, **options)
+    plain = NormalizedMLPLOpt(**options)
+    theta = _random_theta(plain, 1.0)
+    negated = jax.tree.map(jnp.negative, PARAMS)
+
+    def gaps(lopt):
+        opt = jax.jit(lopt.opt_fn(theta).step)
+        state, mirror = (
+            lopt.opt_fn(theta).init(PARAMS, num_steps=30),
+            lopt.opt_fn(theta).init(negated, num_steps=30),
+        )
+        worst, largest = 0.0, 0.0
+        for i in range(6):
+            grad, loss = _grad(state.params, i), jnp.float32(2.0 / (i + 1))
+            updates, state = opt(state, grad, loss=loss)
+            mirrored, mirror = opt(mirror, jax.tree.map(jnp.negative, grad), loss=loss)
+            for name in PARAMS:
+                worst = max(worst, float(jnp.max(jnp.abs(updates[name] + mirrored[name]))))
+                largest = max(largest, float(jnp.max(jnp.abs(updates[name]))))
+        return worst, largest
+
+    worst, largest = gaps(symmetric)
+    assert largest > 1e-3
+    assert worst <= 1e-6 * largest
+    plain_worst, plain_largest = gaps(plain)
+    assert plain_worst > 0.05 * plain_largest  # the check can fail: theta alone breaks the symmetry
+
+
+def test_sign_symmetric_untrained_is_the_same_rule_and_keeps_theta():
+    """The same theta (so a checkpoint runs either way); untrained the MLP's outputs are 0 either way."""
+    symmetric, plain = (
+        NormalizedMLPLOpt(initial_lr=0.02, step_rms="at_most", sign_symmetric=s)
+        for s in (True, False)
+    )
+    theta = plain.init(jax.random.key(0))
+    assert jax.tree.structure(symmetric.init(jax.random.key(0))) == jax.tree.structure(theta)
+    opts = [lopt.opt_fn(theta) for lopt in (symmetric, plain)]
+    states = [opt.init(PARAMS, num_steps=20) for opt in opts]
+    for i in range(4):
+        grad = _grad(states[1].params, i)
+        steps = [
+            opt.step(state, grad, loss=jnp.float32(1.0))
+            for opt, state in zip(opts, states, strict=True)
+        ]
+        states = [state for _, state in steps]
+        for name in PARAMS:
+            np.testing.assert_array_equal(steps[0][0][name], steps[1][0][name])
+
+
 def test_weight_decay_is_decoupled_and_scaled_by_the_step_size():
     """``p <- p - lr * (n + wd * p)``, as AdamW: the plain rule's step minus ``lr * wd * p``."""
     decayed, plain = (

@@ -76,6 +76,17 @@ def num_per_parameter_features(num_decays: int) -> int:
     return _NUM_PER_PARAMETER_BASE + 2 * num_decays
 
 
+def mirror_signs(num_decays: int) -> np.ndarray:
+    """What each row of :func:`per_parameter_features` is multiplied by when ``p``, ``g`` and ``m`` are.
+
+    Negating a parameter with its gradient history negates ``p``, ``g``, the
+    momentums and the ratios ``m / sqrt(v)``, and leaves ``v`` and
+    ``1 / sqrt(v)``: ``-1`` for the first rows, ``+1`` for the second.
+    """
+    signed = np.full(num_decays, -1.0, np.float32)
+    return np.concatenate([[-1.0, -1.0], signed, [1.0], signed, [1.0]]).astype(np.float32)
+
+
 def start_fields(params: Params, num_decays: int) -> dict[str, Any]:
     """The state fields every per-parameter MLP optimizer starts from.
 
@@ -222,12 +233,14 @@ def adam_and_mlp(
     iteration: jax.Array,
     shared: jax.Array,
     normalize_epsilon: float = 1e-5,
+    sign_symmetric: bool = False,
 ) -> tuple[Params, Params, Params]:
     """Adam's direction and the MLP's two outputs, each a params-shaped pytree.
 
     :func:`adam_directions` with ``lopt``'s ``beta1`` (its ``rms_decay`` as
-    ``beta2``) and :func:`per_parameter_mlp` of ``theta_mlp`` in ``lopt.mlp_dtype``,
-    both reading the accumulators after this step's update and ``lopt.epsilon``.
+    ``beta2``) and :func:`per_parameter_mlp` of ``theta_mlp`` in ``lopt.mlp_dtype``
+    (``sign_symmetric`` as there), both reading the accumulators after this
+    step's update and ``lopt.epsilon``.
     """
     directions = adam_directions(
         momentums, rms, iteration, lopt.beta1_index, lopt.beta1, lopt.rms_decay, lopt.epsilon
@@ -242,6 +255,7 @@ def adam_and_mlp(
         lopt.epsilon,
         normalize_epsilon,
         lopt.mlp_dtype,
+        sign_symmetric,
     )
     return directions, first, second
 
@@ -398,11 +412,22 @@ def per_parameter_mlp(
     epsilon: float,
     normalize_epsilon: float = 1e-5,
     mlp_dtype: str = "float32",
+    sign_symmetric: bool = False,
 ) -> tuple[Params, Params]:
     """The MLP's two outputs for every parameter, as two params-shaped pytrees.
 
     The features are computed in float32; ``mlp_dtype`` is what the MLP's
     layers multiply in (``bfloat16``: float32 sums, float32 outputs).
+
+    With ``sign_symmetric`` the MLP ``f`` also runs on every parameter's
+    mirrored input ``x'`` (:func:`mirror_signs`: ``p``, ``g`` and the
+    momentums negated; the shared features as they are), and the outputs are
+    ``(f_0(x) - f_0(x')) / 2`` and ``(f_1(x) + f_1(x')) / 2``: the first is odd
+    and the second even under negating a parameter with its gradient history,
+    as every hand-designed rule's step and step size are. A parameter whose
+    gradients are all zero then gets no first output at ``p = 0``: the MLP
+    cannot learn a drift that moves every parameter the same way whatever its
+    gradient says. It costs a second pass of the MLP's layers.
 
     The MLP's input per parameter is :func:`per_parameter_features` of its
     tensor followed by the ``shared`` features (a vector every parameter
@@ -428,7 +453,17 @@ def per_parameter_mlp(
             )
         ]
     with jax.named_scope("per_parameter_mlp"):
-        x = _mlp(theta, jnp.concatenate(columns, axis=1).T, shared, mlp_dtype)
+        x = jnp.concatenate(columns, axis=1).T
+        if sign_symmetric:
+            signs = mirror_signs((x.shape[1] - _NUM_PER_PARAMETER_BASE) // 2)
+            both = _mlp(theta, jnp.concatenate([x, x * signs]), shared, mlp_dtype)
+            plain, mirrored = jnp.split(both, 2, axis=0)
+            x = (
+                jnp.stack([plain[:, 0] - mirrored[:, 0], plain[:, 1] + mirrored[:, 1]], axis=1)
+                * 0.5
+            )
+        else:
+            x = _mlp(theta, x, shared, mlp_dtype)
     offsets = np.cumsum([p.size for p in leaves])[:-1]
     outputs = jnp.split(x, offsets, axis=0)
     first = [o[:, 0].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]

@@ -16,6 +16,8 @@ distribution:
                                                           wd + (w - wd) * (1 - guard))
                                                           (fan_in_base=B: lr times
                                                           min(1, B / fan_in) ** fan_in_power)
+                                                          (sign_symmetric: d odd, s even under
+                                                          negating p with its gradients)
 
 Every tensor moves by exactly ``lr`` in root mean square (at most ``lr`` with
 ``step_rms="at_most"``), so no input the MLP never saw can make a step
@@ -221,6 +223,7 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             iteration,
             shared,
             normalize_epsilon=_FEATURE_EPSILON,
+            sign_symmetric=lopt.sign_symmetric,
         )
 
         def tensor_update(
@@ -326,6 +329,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         loss_guard_relative: float = 0.0,
         fan_in_base: float | None = None,
         fan_in_power: float = 0.5,
+        sign_symmetric: bool = False,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -397,6 +401,13 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             step size. Hand-designed, not meta-trained.
           fan_in_power: the power of that factor (0.5: a fourfold fan-in
             halves the step); another value needs ``fan_in_base``.
+          sign_symmetric: whether the MLP's correction is odd and its
+            log-scale even under negating a parameter with its gradient
+            history (:func:`~popmeta.core.learned_optimizers.features.per_parameter_mlp`),
+            so that the step of a parameter negated with its gradients is
+            the step negated, as Adam's is: a correction that moves every
+            parameter the same way, whatever its gradient, cannot be learned.
+            The same theta; one more pass of the MLP.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -457,6 +468,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.loss_guard_relative = float(loss_guard_relative)
         self.fan_in_base = None if fan_in_base is None else float(fan_in_base)
         self.fan_in_power = float(fan_in_power)
+        self.sign_symmetric = bool(sign_symmetric)
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
