@@ -77,7 +77,7 @@ def num_per_parameter_features(num_decays: int) -> int:
 
 
 def mirror_signs(num_decays: int) -> np.ndarray:
-    """What each row of :func:`per_parameter_features` is multiplied by when ``p``, ``g`` and ``m`` are.
+    """Each row's factor in :func:`per_parameter_features` when ``p``, ``g`` and ``m`` are negated.
 
     Negating a parameter with its gradient history negates ``p``, ``g``, the
     momentums and the ratios ``m / sqrt(v)``, and leaves ``v`` and
