@@ -320,16 +320,14 @@ def test_sign_symmetric_steps_a_parameter_negated_with_its_gradients_by_the_step
     negated = jax.tree.map(jnp.negative, PARAMS)
 
     def gaps(lopt):
-        opt = jax.jit(lopt.opt_fn(theta).step)
-        state, mirror = (
-            lopt.opt_fn(theta).init(PARAMS, num_steps=30),
-            lopt.opt_fn(theta).init(negated, num_steps=30),
-        )
+        opt = lopt.opt_fn(theta)
+        step = jax.jit(opt.step)
+        state, mirror = opt.init(PARAMS, num_steps=30), opt.init(negated, num_steps=30)
         worst, largest = 0.0, 0.0
         for i in range(6):
             grad, loss = _grad(state.params, i), jnp.float32(2.0 / (i + 1))
-            updates, state = opt(state, grad, loss=loss)
-            mirrored, mirror = opt(mirror, jax.tree.map(jnp.negative, grad), loss=loss)
+            updates, state = step(state, grad, loss=loss)
+            mirrored, mirror = step(mirror, jax.tree.map(jnp.negative, grad), loss=loss)
             for name in PARAMS:
                 worst = max(worst, float(jnp.max(jnp.abs(updates[name] + mirrored[name]))))
                 largest = max(largest, float(jnp.max(jnp.abs(updates[name]))))
