@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from popmeta.core.learned_optimizers import NormalizedMLPLOpt, as_optax
+from popmeta.core.learned_optimizers.features import mirror_signs, per_parameter_features
 
 PARAMS = {
     "w": jax.random.normal(jax.random.key(1), (7, 5)),
@@ -301,6 +302,19 @@ def test_braked_weight_decay_rises_from_weight_decay_as_the_brake_engages():
         NormalizedMLPLOpt(braked_weight_decay=0.1)  # no brake to follow
     with pytest.raises(ValueError, match="braked_weight_decay"):
         NormalizedMLPLOpt(loss_guard=0.05, braked_weight_decay=-0.1)
+
+
+def test_mirror_signs_are_the_features_of_a_parameter_negated_with_its_gradient_history():
+    """The signs the symmetric MLP mirrors by, row for row against the features' own definition."""
+    keys = jax.random.split(jax.random.key(3), 4)
+    p, g = jax.random.normal(keys[0], (6, 5)), jax.random.normal(keys[1], (6, 5))
+    m = jax.random.normal(keys[2], (6, 5, 3))
+    v = jnp.square(jax.random.normal(keys[3], (6, 5)))
+    features = per_parameter_features(p, g, m, v, 1e-8)
+    negated = per_parameter_features(-p, -g, -m, v, 1e-8)
+    signs = mirror_signs(3)
+    assert signs.shape == (features.shape[0],) and set(signs.tolist()) == {-1.0, 1.0}
+    np.testing.assert_allclose(negated, signs[:, None] * features, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("step_rms", ["equal", "at_most"])
