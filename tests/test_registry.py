@@ -181,6 +181,26 @@ def test_unknown_names_fail_naming_the_field_and_the_choices():
         build_task_family(TaskConfig(kind="nope"))
 
 
+def test_a_field_of_a_number_or_a_word_takes_either_and_names_the_field_otherwise():
+    """``fan_in_power: float >= 0 | 'learned'``: the range is checked on numbers only."""
+
+    def build(power):
+        section = {"kind": "normalized_mlp", "fan_in_base": 64, "fan_in_power": power}
+        return build_learned_optimizer(
+            config_from_dict({"learned_optimizer": section}).learned_optimizer
+        )
+
+    assert "fan_in_power" in build("learned").init(jax.random.key(0))
+    assert build(1.0).fan_in_power == 1.0
+    with pytest.raises(
+        ConfigError,
+        match=r"learned_optimizer\.fan_in_power: expected float or one of 'learned', got 'fitted'",
+    ):
+        build("fitted")
+    with pytest.raises(ConfigError, match=r"learned_optimizer\.fan_in_power: must be >= 0, got -1"):
+        build(-1.0)
+
+
 def test_a_name_registers_once_and_a_users_kind_takes_no_built_in_name():
     registry: Registry[int] = Registry("x", "Xs", "an int", returns=int)
     registry.register("a", "first")(lambda: 1)

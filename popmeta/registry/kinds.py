@@ -67,8 +67,8 @@ class Range:
     lt: float | None = None
 
     def problem(self, value: Any) -> str | None:
-        """Why ``value`` is out of range, or None (None values are not checked)."""
-        if value is None:
+        """Why ``value`` is out of range, or None (None and a ``Literal``'s words are not checked)."""
+        if value is None or isinstance(value, str):
             return None
         if self.gt is not None and not value > self.gt:
             return f"must be > {self.gt:g}, got {value!r}"

@@ -120,7 +120,7 @@ def normalized_mlp(
     braked_weight_decay: NonNegativeFloat | None = None,
     loss_guard_relative: NonNegativeFloat = 0.0,
     fan_in_base: PositiveFloat | None = None,
-    fan_in_power: NonNegativeFloat = 0.5,
+    fan_in_power: NonNegativeFloat | Literal["learned"] = 0.5,
     sign_symmetric: bool = False,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
@@ -147,7 +147,9 @@ def normalized_mlp(
     fan_in_base: B: a weight whose fan-in (all axes but the last) is above B steps
         (B / fan_in) ** fan_in_power of the step size, as wider layers than meta-training's
         need; none by default.
-    fan_in_power: the power of that factor (another value than 0.5 needs fan_in_base).
+    fan_in_power: the power of that factor (another value than 0.5 needs fan_in_base); learned:
+        meta-trained (theta's fan_in_power, from 0, within +-1) and applied both ways, so a
+        weight with fewer inputs than B steps further.
     sign_symmetric: whether the step of a parameter negated with its gradient history is the
         step negated, as Adam's is (the MLP runs twice: on the features and on their mirror).
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).

@@ -266,6 +266,40 @@ def test_fan_in_base_shrinks_only_the_steps_of_weights_with_more_inputs_than_the
         NormalizedMLPLOpt(fan_in_power=1.0)  # no base: the power would be ignored
 
 
+def test_a_learned_fan_in_power_starts_at_zero_and_then_scales_every_weight_both_ways():
+    """Untrained, the rule without a base bit for bit; at power p a weight of fan-in n steps (B / n) ** p."""
+    params = {
+        "wide": jax.random.normal(jax.random.key(2), (256, 10)),
+        "kernel": jax.random.normal(jax.random.key(3), (3, 3, 4, 4)),  # fan-in 36
+        "narrow": jax.random.normal(jax.random.key(4), (16, 32)),
+        "b": jnp.linspace(-1.0, 1.0, 10),
+    }
+    plain = NormalizedMLPLOpt(initial_lr=0.02)
+    learned = NormalizedMLPLOpt(initial_lr=0.02, fan_in_base=64.0, fan_in_power="learned")
+    assert float(learned.init(jax.random.key(0))["fan_in_power"]) == 0.0
+    theta = _random_theta(plain, 1.0)
+    state = plain.opt_fn(theta).init(params, num_steps=10)
+    grad = _grad(params, 1)
+
+    def step(rule, theta):
+        return rule.opt_fn(theta).step(state, grad, loss=jnp.float32(1.0))[0]
+
+    expected = step(plain, theta)
+    at_zero = step(learned, {**theta, "fan_in_power": jnp.float32(0.0)})
+    jax.tree.map(np.testing.assert_array_equal, at_zero, expected)
+    power = 0.6  # theta holds atanh(power): the power is bounded by tanh
+    scaled = step(learned, {**theta, "fan_in_power": jnp.float32(np.arctanh(power))})
+    for name, fan_in in (("wide", 256), ("kernel", 36), ("narrow", 16)):
+        np.testing.assert_allclose(
+            scaled[name], (64 / fan_in) ** power * expected[name], rtol=1e-5, err_msg=name
+        )
+    np.testing.assert_array_equal(scaled["b"], expected["b"])
+    with pytest.raises(ValueError, match="fan_in_base"):
+        NormalizedMLPLOpt(fan_in_power="learned")
+    with pytest.raises(ValueError, match="fan_in_power"):
+        NormalizedMLPLOpt(fan_in_base=64.0, fan_in_power="fitted")
+
+
 def test_braked_weight_decay_rises_from_weight_decay_as_the_brake_engages():
     """The decay is ``wd + (w - wd) * (1 - guard)``: ``wd`` while unbraked, near ``w`` once stopped."""
     losses = [2.0] + [0.2] * 30 + [1.0] * 10  # falls, then climbs: the guard falls below 0.5

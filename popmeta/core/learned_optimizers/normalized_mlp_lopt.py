@@ -15,7 +15,9 @@ distribution:
     p      <- p - lr * (n + wd * p)                      wd: weight_decay (braked_weight_decay=w:
                                                           wd + (w - wd) * (1 - guard))
                                                           (fan_in_base=B: lr times
-                                                          min(1, B / fan_in) ** fan_in_power)
+                                                          min(1, B / fan_in) ** fan_in_power;
+                                                          fan_in_power="learned": times
+                                                          (B / fan_in) ** bound(theta's power))
                                                           (sign_symmetric: d odd, s even under
                                                           negating p with its gradients)
 
@@ -40,8 +42,10 @@ climbs late in a run is a rule fitting faster than the task generalizes, and
 a run whose loss never climbs keeps the small decay. ``fan_in_base`` shrinks
 the step of a tensor with more inputs than the rule met in meta-training: an
 RMS-normalized step moves a layer's output by about the step size times its
-fan-in, so a wider layer takes a larger step in what it computes. Its
-features, and why: docs/generalist.md.
+fan-in, so a wider layer takes a larger step in what it computes; with
+``fan_in_power="learned"`` meta-training chooses the power, and a layer with
+fewer inputs than ``B`` steps further. Its features, and why:
+docs/generalist.md.
 """
 
 from __future__ import annotations
@@ -94,6 +98,9 @@ _LOSS_EMA_DECAY = 0.9
 _FEATURE_EPSILON = 1e-30
 #: Added under the square root of the per-tensor RMS: a tensor whose gradients are all zero stays put.
 _RMS_EPSILON = 1e-30
+#: A meta-trained fan-in power stays within +- this: at 1 a weight's step is inversely
+#: proportional to its fan-in, as tuned Adam's rate nearly is across the digits MLPs' input sizes.
+_FAN_IN_POWER_BOUND = 1.0
 
 
 def _bounded(x: jax.Array) -> jax.Array:
@@ -240,7 +247,7 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
                 normalized = jnp.clip(normalized, -lopt.element_clip, lopt.element_clip)
             if lopt.weight_decay or lopt.braked_weight_decay:
                 normalized = normalized + weight_decay * p
-            return -(lr * _fan_in_factor(lopt, p.shape) * normalized).astype(p.dtype)
+            return -(lr * _fan_in_factor(lopt, theta, p.shape) * normalized).astype(p.dtype)
 
         updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
         following = state._replace(
@@ -277,16 +284,24 @@ def _guarded(
     return lowest, jnp.minimum(state.guard, allowed)
 
 
-def _fan_in_factor(lopt: NormalizedMLPLOpt, shape: tuple[int, ...]) -> float:
-    """``min(1, fan_in_base / fan_in) ** fan_in_power`` for a tensor of ``shape``; 1 without a base.
+def _fan_in_factor(
+    lopt: NormalizedMLPLOpt, theta: MetaParams, shape: tuple[int, ...]
+) -> float | jax.Array:
+    """The step-size factor of a tensor of ``shape``; 1 without a base.
 
-    The fan-in of a weight (two or more axes) is the product of all but its
-    last axis: a dense ``[in, out]`` matrix's ``in``, a ``[k, k, C, C_out]``
-    kernel's ``k * k * C``. A bias or scalar has none and keeps its step.
+    ``min(1, fan_in_base / fan_in) ** fan_in_power``, or with a learned power
+    ``(fan_in_base / fan_in) ** (bound * tanh(theta["fan_in_power"]))``: 1
+    exactly at the untrained power 0. The fan-in of a weight (two or more
+    axes) is the product of all but its last axis: a dense ``[in, out]``
+    matrix's ``in``, a ``[k, k, C, C_out]`` kernel's ``k * k * C``. A bias or
+    scalar has none and keeps its step.
     """
     if lopt.fan_in_base is None or len(shape) < 2:
         return 1.0
     fan_in = float(np.prod(shape[:-1]))
+    if lopt.fan_in_power == "learned":
+        power = _FAN_IN_POWER_BOUND * jnp.tanh(theta["fan_in_power"])
+        return jnp.exp(power * float(np.log(lopt.fan_in_base / fan_in)))
     return min(1.0, lopt.fan_in_base / fan_in) ** lopt.fan_in_power
 
 
@@ -305,7 +320,8 @@ class NormalizedMLPLOpt(LearnedOptimizer):
     """Per-tensor RMS-normalized MLP updates times a learned step-size schedule (module docstring).
 
     Theta is ``{"log_lr": scalar, "mlp": {"linear_i": {"w", "b"}}, "schedule":
-    {"linear_i": {"w", "b"}}}``; both MLPs' output layers start at zero.
+    {"linear_i": {"w", "b"}}}``, and ``"fan_in_power": scalar`` (from 0) with
+    ``fan_in_power="learned"``; both MLPs' output layers start at zero.
     """
 
     needs_num_steps = True
@@ -328,7 +344,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         braked_weight_decay: float | None = None,
         loss_guard_relative: float = 0.0,
         fan_in_base: float | None = None,
-        fan_in_power: float = 0.5,
+        fan_in_power: float | str = 0.5,
         sign_symmetric: bool = False,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
@@ -401,6 +417,10 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             step size. Hand-designed, not meta-trained.
           fan_in_power: the power of that factor (0.5: a fourfold fan-in
             halves the step); another value needs ``fan_in_base``.
+            ``"learned"`` (needs ``fan_in_base``): theta's ``fan_in_power``,
+            meta-trained from 0 (untrained, every tensor keeps its step)
+            within +-1, and the factor ``(B / fan_in) ** power`` applies
+            both ways, so a weight of fewer inputs than ``B`` steps further.
           sign_symmetric: whether the MLP's correction is odd and its
             log-scale even under negating a parameter with its gradient
             history (:func:`~popmeta.core.learned_optimizers.features.per_parameter_mlp`),
@@ -437,10 +457,12 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             )
         if fan_in_base is not None and not fan_in_base > 0:
             raise ValueError(f"fan_in_base must be > 0 or None, got {fan_in_base!r}")
-        if not fan_in_power >= 0 or (fan_in_power != 0.5 and fan_in_base is None):
+        learned_power = fan_in_power == "learned"
+        fixed_power = isinstance(fan_in_power, int | float) and fan_in_power >= 0
+        if not (learned_power or fixed_power) or (fan_in_power != 0.5 and fan_in_base is None):
             raise ValueError(
-                f"fan_in_power must be >= 0 and needs fan_in_base when not 0.5, got "
-                f"fan_in_power={fan_in_power!r}, fan_in_base={fan_in_base!r}"
+                f"fan_in_power must be >= 0 or 'learned' and needs fan_in_base when not 0.5, "
+                f"got fan_in_power={fan_in_power!r}, fan_in_base={fan_in_base!r}"
             )
         if external_schedule not in EXTERNAL_SCHEDULES:
             raise ValueError(
@@ -467,7 +489,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         )
         self.loss_guard_relative = float(loss_guard_relative)
         self.fan_in_base = None if fan_in_base is None else float(fan_in_base)
-        self.fan_in_power = float(fan_in_power)
+        self.fan_in_power = fan_in_power if learned_power else float(fan_in_power)
         self.sign_symmetric = bool(sign_symmetric)
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
@@ -496,7 +518,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
     def init(self, key: jax.Array) -> MetaParams:
         key_mlp, key_schedule = jax.random.split(key)
         schedule_sizes = (self.num_global_features, self.schedule_hidden_size, 1)
-        return {
+        theta = {
             "log_lr": jnp.asarray(np.log(self.initial_lr), jnp.float32),
             "mlp": per_parameter_mlp_init(
                 key_mlp,
@@ -507,6 +529,9 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             ),
             "schedule": mlp_init(key_schedule, schedule_sizes, output_init_scale=0.0),
         }
+        if self.fan_in_power == "learned":
+            theta["fan_in_power"] = jnp.asarray(0.0, jnp.float32)
+        return theta
 
     def opt_fn(self, theta: MetaParams, is_training: bool = False) -> Optimizer:
         del is_training
