@@ -49,7 +49,7 @@ from popmeta.run_checkpoints import RunCheckpoints
 from popmeta.run_dir import RunDirectory, RunWriteError
 from popmeta.run_identity import check_identity, record_config, with_recorded_call_size
 from popmeta.run_signals import RunInterrupted, StopSignals
-from popmeta.summaries import RoundStats, Summaries
+from popmeta.summaries import RoundStats, Summaries, scalar_leaves
 
 __all__ = [
     "DivergedError",
@@ -405,6 +405,8 @@ class _RunLoop:
         step, tcfg = self.learner.version, self.config.train
         if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
             stats.write(summaries, step, population.num_live)
+            if theta_values := scalar_leaves(self.learner.theta(), "theta"):
+                summaries.scalars(step, theta_values)
             self.run.sync_if_due()
         if self._checkpoint_due(step):
             self._checkpoint(population)

@@ -25,7 +25,9 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
@@ -36,7 +38,7 @@ from popmeta.core.estimators import FAMILY_LOSS_METRIC
 from popmeta.estimate import Aggregate
 from popmeta.population.base import Gathered
 
-__all__ = ["RoundStats", "Summaries"]
+__all__ = ["RoundStats", "Summaries", "scalar_leaves"]
 
 log = logging.getLogger("popmeta")
 
@@ -57,6 +59,21 @@ def _record(payload: bytes) -> bytes:
         + payload
         + struct.pack("<I", masked_crc32c(payload))
     )
+
+
+def scalar_leaves(tree: Any, prefix: str) -> dict[str, float]:
+    """Every scalar leaf of ``tree`` by its path under ``prefix`` (``theta/log_lr``).
+
+    A learned optimizer's scalar meta-parameters (a base step size, a
+    momentum, a fan-in power) are what a user watches meta-training move;
+    its arrays are summarized by ``theta_norm`` instead.
+    """
+    values = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if np.ndim(leaf) == 0:
+            names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+            values["/".join([prefix, *names])] = float(leaf)
+    return values
 
 
 class Summaries:

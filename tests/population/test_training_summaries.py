@@ -73,6 +73,11 @@ def test_async_run_summaries_are_complete_and_sane(ray_session, tmp_path):
     assert np.all(values("live_actors") == 2)
     for rank in (0, 1):
         assert np.all(values(f"inner_steps_per_s_by_actor/{rank}") > 0)
+    # Theta's scalars by name, the last written from the theta the run ended with.
+    for name in ("log_lr", "logit_one_minus_momentum"):
+        assert [s for s, _ in scalars[f"theta/{name}"]] == [10, 20, 30, 40, 50, 60], name
+        assert values(f"theta/{name}")[-1] == pytest.approx(float(result.theta[name])), name
+    assert len(set(values("theta/log_lr"))) > 1  # meta-training moved it
     # inner-steps/s is estimates/s times the inner steps behind each estimate
     np.testing.assert_allclose(
         values("inner_steps_per_s"), values("estimates_per_s") * 2 * 2 * 5, rtol=1e-5
