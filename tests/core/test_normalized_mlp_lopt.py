@@ -18,6 +18,16 @@ PARAMS = {
 }
 
 
+#: Weights of fan-in 256, 36 (a 3x3 kernel over 4 channels), 64 and 16, and a bias.
+FAN_IN_PARAMS = {
+    "wide": jax.random.normal(jax.random.key(2), (256, 10)),
+    "kernel": jax.random.normal(jax.random.key(3), (3, 3, 4, 4)),
+    "at_base": jax.random.normal(jax.random.key(4), (64, 32)),
+    "narrow": jax.random.normal(jax.random.key(5), (16, 32)),
+    "b": jnp.linspace(-1.0, 1.0, 10),
+}
+
+
 def _grad(params, i: int, scale: float = 1.0):
     return jax.tree.map(lambda p: scale * jnp.sin(3.0 * p + i) + 0.1 * i, params)
 
@@ -234,12 +244,7 @@ def test_loss_guard_relative_lets_climbs_within_q_times_the_lowest_ema_through()
 
 def test_fan_in_base_shrinks_only_the_steps_of_weights_with_more_inputs_than_the_base():
     """A weight of fan-in n > B steps (B / n) ** power of the rule's step; the rest as without it."""
-    params = {
-        "wide": jax.random.normal(jax.random.key(2), (256, 10)),
-        "kernel": jax.random.normal(jax.random.key(3), (3, 3, 4, 4)),  # fan-in 36
-        "narrow": jax.random.normal(jax.random.key(4), (64, 32)),
-        "b": jnp.linspace(-1.0, 1.0, 10),
-    }
+    params = FAN_IN_PARAMS
     rules = {
         "plain": NormalizedMLPLOpt(initial_lr=0.02),
         "sqrt": NormalizedMLPLOpt(initial_lr=0.02, fan_in_base=64.0),
@@ -256,7 +261,7 @@ def test_fan_in_base_shrinks_only_the_steps_of_weights_with_more_inputs_than_the
         np.testing.assert_allclose(
             updates[name]["wide"], factor * updates["plain"]["wide"], rtol=1e-6
         )
-        for kept in ("kernel", "narrow", "b"):
+        for kept in ("kernel", "at_base", "narrow", "b"):
             np.testing.assert_array_equal(updates[name][kept], updates["plain"][kept])
     with pytest.raises(ValueError, match="fan_in_base"):
         NormalizedMLPLOpt(fan_in_base=0.0)
@@ -268,12 +273,7 @@ def test_fan_in_base_shrinks_only_the_steps_of_weights_with_more_inputs_than_the
 
 def test_a_learned_fan_in_power_starts_at_zero_and_then_scales_every_weight_both_ways():
     """Untrained, the rule without a base bit for bit; at power p a weight of fan-in n steps (B / n) ** p."""
-    params = {
-        "wide": jax.random.normal(jax.random.key(2), (256, 10)),
-        "kernel": jax.random.normal(jax.random.key(3), (3, 3, 4, 4)),  # fan-in 36
-        "narrow": jax.random.normal(jax.random.key(4), (16, 32)),
-        "b": jnp.linspace(-1.0, 1.0, 10),
-    }
+    params = FAN_IN_PARAMS
     plain = NormalizedMLPLOpt(initial_lr=0.02)
     learned = NormalizedMLPLOpt(initial_lr=0.02, fan_in_base=64.0, fan_in_power="learned")
     assert float(learned.init(jax.random.key(0))["fan_in_power"]) == 0.0
@@ -289,7 +289,7 @@ def test_a_learned_fan_in_power_starts_at_zero_and_then_scales_every_weight_both
     jax.tree.map(np.testing.assert_array_equal, at_zero, expected)
     power = 0.6  # theta holds atanh(power): the power is bounded by tanh
     scaled = step(learned, {**theta, "fan_in_power": jnp.float32(np.arctanh(power))})
-    for name, fan_in in (("wide", 256), ("kernel", 36), ("narrow", 16)):
+    for name, fan_in in (("wide", 256), ("kernel", 36), ("at_base", 64), ("narrow", 16)):
         np.testing.assert_allclose(
             scaled[name], (64 / fan_in) ** power * expected[name], rtol=1e-5, err_msg=name
         )
