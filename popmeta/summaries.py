@@ -68,12 +68,11 @@ def scalar_leaves(tree: Any, prefix: str) -> dict[str, float]:
     momentum, a fan-in power) are what a user watches meta-training move;
     its arrays are summarized by ``theta_norm`` instead.
     """
-    values = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if np.ndim(leaf) == 0:
-            names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-            values["/".join([prefix, *names])] = float(leaf)
-    return values
+    return {
+        f"{prefix}/{jax.tree_util.keystr(path, simple=True, separator='/')}": float(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if np.ndim(leaf) == 0
+    }
 
 
 class Summaries:

@@ -233,6 +233,12 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             sign_symmetric=lopt.sign_symmetric,
         )
 
+        fan_in_power = (
+            _FAN_IN_POWER_BOUND * jnp.tanh(theta["fan_in_power"])
+            if lopt.fan_in_power == "learned"
+            else lopt.fan_in_power
+        )
+
         def tensor_update(
             p: jax.Array, a: jax.Array, correction: jax.Array, log_scale: jax.Array
         ) -> jax.Array:
@@ -247,7 +253,7 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
                 normalized = jnp.clip(normalized, -lopt.element_clip, lopt.element_clip)
             if lopt.weight_decay or lopt.braked_weight_decay:
                 normalized = normalized + weight_decay * p
-            return -(lr * _fan_in_factor(lopt, theta, p.shape) * normalized).astype(p.dtype)
+            return -(lr * _fan_in_factor(lopt, fan_in_power, p.shape) * normalized).astype(p.dtype)
 
         updates = jax.tree.map(tensor_update, state.params, directions, corrections, log_scales)
         following = state._replace(
@@ -285,13 +291,13 @@ def _guarded(
 
 
 def _fan_in_factor(
-    lopt: NormalizedMLPLOpt, theta: MetaParams, shape: tuple[int, ...]
+    lopt: NormalizedMLPLOpt, power: float | jax.Array, shape: tuple[int, ...]
 ) -> float | jax.Array:
     """The step-size factor of a tensor of ``shape``; 1 without a base.
 
-    ``min(1, fan_in_base / fan_in) ** fan_in_power``, or with a learned power
-    ``(fan_in_base / fan_in) ** (bound * tanh(theta["fan_in_power"]))``: 1
-    exactly at the untrained power 0. The fan-in of a weight (two or more
+    ``min(1, fan_in_base / fan_in) ** power``, or with a learned power (the
+    bounded ``bound * tanh(theta["fan_in_power"])``) ``(fan_in_base / fan_in)
+    ** power``: 1 exactly at the untrained power 0. The fan-in of a weight (two or more
     axes) is the product of all but its last axis: a dense ``[in, out]``
     matrix's ``in``, a ``[k, k, C, C_out]`` kernel's ``k * k * C``. A bias or
     scalar has none and keeps its step.
@@ -300,9 +306,8 @@ def _fan_in_factor(
         return 1.0
     fan_in = float(np.prod(shape[:-1]))
     if lopt.fan_in_power == "learned":
-        power = _FAN_IN_POWER_BOUND * jnp.tanh(theta["fan_in_power"])
         return jnp.exp(power * float(np.log(lopt.fan_in_base / fan_in)))
-    return min(1.0, lopt.fan_in_base / fan_in) ** lopt.fan_in_power
+    return min(1.0, lopt.fan_in_base / fan_in) ** power
 
 
 def _schedule_mlp(theta: Params, x: jax.Array) -> jax.Array:
