@@ -244,15 +244,14 @@ def test_loss_guard_relative_lets_climbs_within_q_times_the_lowest_ema_through()
 
 def test_fan_in_base_shrinks_only_the_steps_of_weights_with_more_inputs_than_the_base():
     """A weight of fan-in n > B steps (B / n) ** power of the rule's step; the rest as without it."""
-    params = FAN_IN_PARAMS
     rules = {
         "plain": NormalizedMLPLOpt(initial_lr=0.02),
         "sqrt": NormalizedMLPLOpt(initial_lr=0.02, fan_in_base=64.0),
         "linear": NormalizedMLPLOpt(initial_lr=0.02, fan_in_base=64.0, fan_in_power=1.0),
     }
     theta = _random_theta(rules["plain"], 1.0)
-    state = rules["plain"].opt_fn(theta).init(params, num_steps=10)
-    grad = _grad(params, 1)
+    state = rules["plain"].opt_fn(theta).init(FAN_IN_PARAMS, num_steps=10)
+    grad = _grad(FAN_IN_PARAMS, 1)
     updates = {
         name: rule.opt_fn(theta).step(state, grad, loss=jnp.float32(1.0))[0]
         for name, rule in rules.items()
@@ -273,13 +272,12 @@ def test_fan_in_base_shrinks_only_the_steps_of_weights_with_more_inputs_than_the
 
 def test_a_learned_fan_in_power_starts_at_zero_and_then_scales_every_weight_both_ways():
     """Untrained, the rule without a base bit for bit; at power p a weight of fan-in n steps (B / n) ** p."""
-    params = FAN_IN_PARAMS
     plain = NormalizedMLPLOpt(initial_lr=0.02)
     learned = NormalizedMLPLOpt(initial_lr=0.02, fan_in_base=64.0, fan_in_power="learned")
     assert float(learned.init(jax.random.key(0))["fan_in_power"]) == 0.0
     theta = _random_theta(plain, 1.0)
-    state = plain.opt_fn(theta).init(params, num_steps=10)
-    grad = _grad(params, 1)
+    state = plain.opt_fn(theta).init(FAN_IN_PARAMS, num_steps=10)
+    grad = _grad(FAN_IN_PARAMS, 1)
 
     def step(rule, theta):
         return rule.opt_fn(theta).step(state, grad, loss=jnp.float32(1.0))[0]

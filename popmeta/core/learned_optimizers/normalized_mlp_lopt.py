@@ -295,9 +295,10 @@ def _fan_in_factor(
 ) -> float | jax.Array:
     """The step-size factor of a tensor of ``shape``; 1 without a base.
 
-    ``min(1, fan_in_base / fan_in) ** power``, or with a learned power (the
-    bounded ``bound * tanh(theta["fan_in_power"])``) ``(fan_in_base / fan_in)
-    ** power``: 1 exactly at the untrained power 0. The fan-in of a weight (two or more
+    A fixed ``power`` only shrinks wide weights: ``min(1, fan_in_base / fan_in)
+    ** power``. A learned one (``step`` bounds it once per step) scales both
+    ways, ``(fan_in_base / fan_in) ** power``, written as an ``exp`` so that
+    the untrained power 0 gives exactly 1. The fan-in of a weight (two or more
     axes) is the product of all but its last axis: a dense ``[in, out]``
     matrix's ``in``, a ``[k, k, C, C_out]`` kernel's ``k * k * C``. A bias or
     scalar has none and keeps its step.
