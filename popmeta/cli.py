@@ -155,6 +155,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="K",
         help="of a run directory, only its newest K checkpoints (default: every one it kept)",
     )
+    select.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="leave out the tuned Adam and Adam + cosine columns (run on the same tasks at "
+        "the learning rates `popmeta eval` tunes, tuned and cached on first use)",
+    )
     select.add_argument("--out", default=None, help="output folder (default: RUN/select)")
     _add_eval_overrides(select)
     export = commands.add_parser(
@@ -303,6 +309,7 @@ def _with_overrides(overrides: list[str]) -> Callable[[Config], Config]:
 
 def _select(args: argparse.Namespace) -> int:
     from popmeta.evaluate import (
+        REFERENCE_BASELINES,
         EvalWriteError,
         format_selection,
         run_checkpoints,
@@ -352,6 +359,7 @@ def _select(args: argparse.Namespace) -> int:
             _with_overrides(overrides),
             variants,
             stream=sys.stderr,
+            references=() if args.no_baselines else REFERENCE_BASELINES,
         )
         written = write_selection(selection, out)
     except EvalWriteError as err:

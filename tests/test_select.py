@@ -15,12 +15,15 @@ import pytest
 from popmeta.cli import main
 from popmeta.config import config_to_dict
 from popmeta.core.evaluation import training_curves
+from popmeta.evaluate import BASELINES, BaselineCache, evaluate_setting, settings_of
 from popmeta.evaluate.selection import (
     CheckpointValidation,
     Selection,
+    meets_bar,
     run_checkpoints,
     select_checkpoint,
 )
+from popmeta.evaluate.statistics import TaskScores, scores_of
 from popmeta.experiment import build_learned_optimizer, build_task_family, learner_start
 from popmeta.learner.checkpoint_layout import save_run_checkpoint
 from popmeta.learner.learner import Learner
@@ -29,6 +32,12 @@ from tests.local_run import local_config
 #: Learning rates of SGD on the quadratics: one barely moves, one trains, one blows up.
 LEARNING_RATES = {100: 1e-4, 200: 0.1, 300: 50.0}
 EVAL = {"num_tasks": 6, "tuning_tasks": 4, "num_steps": 12, "long_horizon_factors": [3]}
+
+
+def _candidate_rows(path: Path) -> list[dict[str, str]]:
+    """``selection.csv``'s candidate rows (the tuned baselines' rows name a baseline)."""
+    with path.open() as file:
+        return [row for row in csv.DictReader(file) if not row["baseline"]]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +118,97 @@ def test_validation_runs_on_the_baselines_tuning_tasks_not_the_test_tasks(run):
     assert validated != pytest.approx(mean_train_loss(config.eval.seed, 6), rel=1e-3)
 
 
+def test_tuned_adam_and_adam_cosine_run_beside_the_candidates_on_the_same_tasks(run, tmp_path):
+    config, run_dir = run
+    cache = BaselineCache(tmp_path)
+    selection = select_checkpoint(run_checkpoints(run_dir), ["3x horizon"], baseline_cache=cache)
+    # Each baseline's tuning (for `popmeta eval`) and its run on these tasks are cached ...
+    entries = {path: path.stat().st_mtime_ns for path in tmp_path.glob("*.npz")}
+    assert len(entries) == 4
+    again = select_checkpoint(run_checkpoints(run_dir), ["3x horizon"], baseline_cache=cache)
+    # ... and read, not run, the next time.
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.glob("*.npz")} == entries
+    assert [r.score for r in again.references] == [r.score for r in selection.references]
+    adam, adam_cosine = selection.references
+    assert (adam.label, adam_cosine.label) == ("tuned adam", "tuned adam_cosine")
+    # At the learning rates `popmeta eval` tunes in the setting ...
+    setting = next(s for s in settings_of(config) if s.name == "3x horizon")
+    report = evaluate_setting(config, setting, {}, baseline_cache=BaselineCache())
+    assert adam.learning_rates == {"3x horizon": report.learning_rates["adam"]}
+    assert adam_cosine.learning_rates == {"3x horizon": report.learning_rates["adam_cosine"]}
+    # ... on the candidates' validation tasks, not the test tasks.
+    family = build_task_family(config.task)
+    adam_optimizer = BASELINES["adam"](report.learning_rates["adam"], 36)
+    on_validation = scores_of(
+        training_curves(family, adam_optimizer, jax.random.key(config.eval.seed + 1), 4, 36)
+    )
+    assert adam.mean_train_loss["3x horizon"] == pytest.approx(
+        float(np.mean(on_validation.mean_train_loss)), rel=1e-5
+    )
+    assert adam.score == pytest.approx(
+        math.sqrt(adam.mean_train_loss["3x horizon"] * adam.final_test_loss["3x horizon"])
+    )
+    # A candidate meets the bar where its paired verdicts against both say so.
+    _, good, blown = selection.validations
+    sgd = build_learned_optimizer(config.learned_optimizer).opt_fn({"log_lr": jnp.log(0.1)})
+    good_scores = scores_of(
+        training_curves(family, sgd, jax.random.key(config.eval.seed + 1), 4, 36)
+    )
+    met = meets_bar(good_scores, [adam.scores["3x horizon"], adam_cosine.scores["3x horizon"]])
+    assert good.settings_met == (("3x horizon",) if met else ())
+    assert blown.settings_met == ()  # unstable tasks never meet it
+
+
+def _scores(train, test, initial: float = 1.0) -> TaskScores:
+    n = len(train)
+    flat = np.zeros((n, 1))
+    return TaskScores(np.asarray(train), np.asarray(test), None, flat, flat, np.full(n, initial))
+
+
+def test_the_bar_is_a_training_loss_win_and_no_test_loss_loss_against_each_reference():
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.2, 0.3, 8)
+    adam = _scores(base, base)
+    noise = rng.normal(0.0, 0.01, 8)
+    noise -= noise.mean()  # a difference of mean zero: a TIE, whatever its spread
+    ahead = _scores(base - 0.05, base + noise)  # training loss: a WIN; test loss: a TIE
+    assert meets_bar(ahead, [adam, adam])
+    assert not meets_bar(_scores(base + noise, base - 0.05), [adam])  # training loss: a TIE
+    assert not meets_bar(_scores(base - 0.05, base + 0.05), [adam])  # test loss: a LOSS
+    assert not meets_bar(ahead, [adam, _scores(base - 0.1, base)])  # behind one of them
+    blown = _scores(base - 0.05, np.r_[base[:7], 2.0])  # a task ends above its initial loss
+    assert not meets_bar(blown, [adam])
+
+
+def test_a_run_that_learned_less_than_tuning_adam_does_is_named(run, tmp_path, capsys):
+    _, run_dir = run
+    slow = run_dir / "checkpoints" / "ckpt_00000100.npz"  # SGD at 1e-4 barely moves
+    out = tmp_path / "slow"
+    assert main(["select", str(slow), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "tuned adam_cosine" in printed.splitlines()[1]  # a column of the table
+    assert "settings meeting the bar" in printed and " 0/2 " in printed
+    warning = printed.split("warning: ", 1)[1]
+    assert (
+        warning.startswith("the chosen candidate scores") and "meta-train another seed" in warning
+    )
+    with (out / "selection.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(r["baseline"], r["settings_meeting_bar"]) for r in rows] == [
+        ("", "0"),
+        ("adam", ""),
+        ("adam_cosine", ""),
+    ]
+    assert min(float(r["score"]) for r in rows[1:]) <= float(rows[0]["score"])
+    # Without the baselines: no columns, no rows, no verdict.
+    assert main(["select", str(slow), "--out", str(out), "--no-baselines"]) == 0
+    printed = capsys.readouterr().out
+    assert "tuned adam" not in printed and "warning" not in printed
+    assert [r["baseline"] for r in _candidate_rows(out / "selection.csv")] == [""]
+    with pytest.raises(ValueError, match="no baseline 'adamw'"):
+        select_checkpoint([str(slow)], references=["adamw"])
+
+
 def test_an_unknown_setting_or_too_few_tasks_is_named(run):
     _, run_dir = run
     with pytest.raises(ValueError, match=r"no setting '10x horizon'; the config's are "):
@@ -125,8 +225,7 @@ def test_select_prints_the_table_and_writes_the_csv(run, capsys):
     assert f"evaluate it: popmeta eval {run_dir / 'checkpoints' / 'ckpt_00000200.npz'}\n" in out
     assert "Validation on 3 tasks of seed" in out
     assert "trained horizon: train" in out and "trained horizon: test" in out
-    with (run_dir / "select" / "selection.csv").open() as file:
-        rows = list(csv.DictReader(file))
+    rows = _candidate_rows(run_dir / "select" / "selection.csv")
     assert [(r["step"], r["chosen"]) for r in rows] == [
         ("100", "False"),
         ("200", "True"),
@@ -143,8 +242,7 @@ def test_select_takes_a_runs_newest_checkpoints_only_when_asked(run, tmp_path, c
     args = ["select", str(run_dir), "--last", "1", "--settings", "trained horizon"]
     assert main([*args, "--out", str(out)]) == 0
     assert "(step 300)" in capsys.readouterr().out
-    with (out / "selection.csv").open() as file:
-        assert [row["step"] for row in csv.DictReader(file)] == ["300"]
+    assert [row["step"] for row in _candidate_rows(out / "selection.csv")] == ["300"]
     assert main(["select", str(run_dir), "--last", "0"]) == 2
     assert "select --last 0: expected at least 1" in capsys.readouterr().err
 
@@ -163,8 +261,8 @@ def test_select_takes_checkpoint_files_and_rule_options(run, tmp_path, capsys):
         f"evaluate it: popmeta eval {chosen} --set learned_optimizer.initial_lr=0.5 "
         f"--out {run_dir / 'eval_selected'}"
     ) in out
-    with (tmp_path / "two" / "selection.csv").open() as file:
-        assert [row["step"] for row in csv.DictReader(file)] == ["100", "200"]
+    rows = _candidate_rows(tmp_path / "two" / "selection.csv")
+    assert [row["step"] for row in rows] == ["100", "200"]
 
 
 def test_select_refuses_bad_input_before_running_anything(run, tmp_path, capsys):
@@ -244,8 +342,8 @@ def test_a_variant_of_the_rules_options_is_a_candidate_on_the_same_tasks(tmp_pat
     variant_chosen = out.split("chosen: ", 1)[1].split("\n", 1)[0].endswith("with weight_decay=5")
     eval_line = out.split("evaluate it: ", 1)[1].split("\n", 1)[0]
     assert ("--set learned_optimizer.weight_decay=5" in eval_line) == variant_chosen
-    with (tmp_path / "variants" / "select" / "selection.csv").open() as file:
-        assert [row["variant"] for row in csv.DictReader(file)] == ["", "weight_decay=5"] * 2
+    rows = _candidate_rows(tmp_path / "variants" / "select" / "selection.csv")
+    assert [row["variant"] for row in rows] == ["", "weight_decay=5"] * 2
     assert main([*args, "--variant", "eval.seed=3"]) == 2
     assert "expected learned_optimizer.KEY=VALUE" in capsys.readouterr().err
 
@@ -276,8 +374,7 @@ def test_the_seeds_of_one_config_are_chosen_among_at_once(run, tmp_path, capsys)
     labels = ["chosen step 100", "chosen step 200", "chosen step 300", "seed1 step 200"]
     assert [header.index(label) for label in labels] == sorted(header.index(x) for x in labels)
     assert f"chosen: {seed1 / 'checkpoints' / 'ckpt_00000200.npz'} (step 200)" in printed
-    with (out / "selection.csv").open() as file:
-        rows = list(csv.DictReader(file))
+    rows = _candidate_rows(out / "selection.csv")
     assert [(Path(row["checkpoint"]).parts[-3], row["chosen"]) for row in rows] == [
         ("chosen", "False"),
         ("chosen", "False"),

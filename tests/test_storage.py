@@ -261,5 +261,10 @@ def test_select_chooses_among_a_bucket_runs_checkpoints_and_writes_there(s3, cap
     assert f"chosen: {RUNS}/select/checkpoints/ckpt_0000000" in out
     body = s3.get_object(Bucket=BUCKET, Key="runs/select/select/selection.csv")["Body"]
     rows = list(csv.DictReader(io.StringIO(body.read().decode())))
-    assert [row["step"] for row in rows] == ["2", "4"]
-    assert sorted(row["chosen"] for row in rows) == ["False", "True"]
+    assert [(row["step"], row["baseline"]) for row in rows] == [
+        ("2", ""),
+        ("4", ""),
+        ("", "adam"),
+        ("", "adam_cosine"),
+    ]
+    assert sorted(row["chosen"] for row in rows) == ["False", "False", "False", "True"]

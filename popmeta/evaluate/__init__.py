@@ -31,6 +31,8 @@ from popmeta.evaluate.runs import (
     trained_horizon,
 )
 from popmeta.evaluate.selection import (
+    REFERENCE_BASELINES,
+    BaselineValidation,
     CheckpointValidation,
     Selection,
     format_selection,
@@ -54,7 +56,9 @@ __all__ = [
     "CSV_COLUMNS",
     "LEARNING_RATES",
     "METRICS",
+    "REFERENCE_BASELINES",
     "BaselineCache",
+    "BaselineValidation",
     "CheckpointValidation",
     "Comparison",
     "EvalOutput",

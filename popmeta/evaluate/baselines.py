@@ -39,6 +39,7 @@ __all__ = [
     "LEARNING_RATES",
     "BaselineCache",
     "TunedBaseline",
+    "scores_at",
     "tune_baseline",
     "tuning_seed",
 ]
@@ -112,8 +113,24 @@ def tune_baseline(
     else:
         raise ValueError(f"tuning must be 'full' or 'coarse_to_fine', got {tuning!r}")
     lr = LEARNING_RATES[best]
-    test = jax.jit(run, static_argnums=2)
-    return TunedBaseline(float(lr), scores_of(test(lr, jax.random.key(seed), num_tasks)))
+    return TunedBaseline(float(lr), scores_at(family, make, lr, num_steps, seed, num_tasks))
+
+
+def scores_at(
+    family: TaskFamily,
+    make: Callable[[Any, int], Optimizer],
+    learning_rate: float,
+    num_steps: int,
+    seed: int,
+    num_tasks: int,
+) -> TaskScores:
+    """``make`` at ``learning_rate`` on ``num_tasks`` tasks drawn from ``seed``."""
+
+    def run(lr, key):
+        return training_curves(family, make(lr, num_steps), key, num_tasks, num_steps)
+
+    lr = np.float32(learning_rate)  # a traced argument, as in tuning: the same program
+    return scores_of(jax.jit(run)(lr, jax.random.key(seed)))
 
 
 def _default_cache_dir() -> Path:
@@ -151,8 +168,9 @@ class BaselineCache:
         seed: int,
         tuning: str,
         tuning_tasks: int | None,
+        scored_on: tuple[int, int] | None = None,
     ) -> Path:
-        described = {
+        described: dict[str, Any] = {
             "format": _CACHE_FORMAT,
             "jax": jax.__version__,
             "task": {"kind": task.kind, "fields": dict(task.options)},
@@ -164,6 +182,8 @@ class BaselineCache:
             "tuning": tuning,
             "tuning_tasks": num_tasks if tuning_tasks is None else tuning_tasks,
         }
+        if scored_on is not None:
+            described["scored_on"] = {"seed": scored_on[0], "num_tasks": scored_on[1]}
         digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
         return self.folder / f"{baseline}-{digest}.npz"
 
@@ -188,6 +208,34 @@ class BaselineCache:
         )
         self._write(path, tuned)
         return tuned
+
+    def tuned_on(
+        self,
+        family: TaskFamily,
+        task: TaskConfig,
+        baseline: str,
+        num_tasks: int,
+        num_steps: int,
+        seed: int,
+        tuning: str,
+        tuning_tasks: int | None,
+        scored_on: tuple[int, int],
+    ) -> TunedBaseline:
+        """The baseline :meth:`tuned` tunes, scored on other tasks instead of the test
+        tasks: ``scored_on`` = (seed, count) draws them (cached too)."""
+        path = self._path(
+            task, baseline, num_steps, num_tasks, seed, tuning, tuning_tasks, scored_on
+        )
+        cached = None if self.refresh else self._read(path)
+        if cached is not None:
+            return cached
+        tuned = self.tuned(family, task, baseline, num_tasks, num_steps, seed, tuning, tuning_tasks)
+        lr = tuned.learning_rate
+        other_seed, count = scored_on
+        scores = scores_at(family, BASELINES[baseline], lr, num_steps, other_seed, count)
+        scored = TunedBaseline(lr, scores)
+        self._write(path, scored)
+        return scored
 
     @staticmethod
     def _read(path: Path) -> TunedBaseline | None:

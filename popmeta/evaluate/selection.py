@@ -28,6 +28,19 @@ candidate has the fewest unstable validation tasks (final test loss above
 the initial one, or not finite), then the lowest score, then the latest
 step, then the rule without a variant.
 
+Beside the candidates stand *references*: tuned Adam and tuned Adam with
+cosine decay, each at the learning rate ``popmeta eval`` tunes for the
+setting (the same cached entry, tuned here when absent), run on the same
+validation tasks and scored the same way. A candidate *meets the bar* in a
+setting when, paired by task against every reference, its mean training loss
+is a WIN and its final test loss a WIN or TIE, with no unstable task: the
+verdict ``popmeta eval`` gives on the test tasks. The validation tasks are the
+ones the references' learning rates were chosen on, which favours the
+references. A chosen candidate that scores no lower than a reference learned
+less than tuning that baseline does, and the table says so: the generalist's
+one failed seed of seven scored 0.1126 where tuned Adam + cosine scores
+0.1016 and the other six scored 0.0841 to 0.0921 (docs/generalist.md).
+
 The checkpoints may come from several runs, such as the seeds of one config
 (a user who meta-trained several chooses among all of them at once). Every
 checkpoint is validated in the newest's settings, on its tasks and with its
@@ -51,11 +64,12 @@ from typing import NamedTuple, TextIO
 import numpy as np
 
 from popmeta.config import Config, config_fields
-from popmeta.evaluate.baselines import tuning_seed
+from popmeta.evaluate.baselines import BASELINES, BaselineCache, tuning_seed
 from popmeta.evaluate.checkpoints import checked_rule_changes, load_theta
 from popmeta.evaluate.report import EvalWriteError, check_output_dir
 from popmeta.evaluate.runs import UnitProgress, learned_optimizer_run, settings_of
-from popmeta.evaluate.statistics import scores_of
+from popmeta.evaluate.statistics import TaskScores, compare, scores_of
+from popmeta.experiment import build_task_family
 from popmeta.learner.checkpoints import checkpoint_step, is_checkpoint_name, list_checkpoints
 from popmeta.storage import (
     RemoteDir,
@@ -68,6 +82,8 @@ from popmeta.storage import (
 )
 
 __all__ = [
+    "REFERENCE_BASELINES",
+    "BaselineValidation",
     "CheckpointValidation",
     "Selection",
     "format_selection",
@@ -78,6 +94,8 @@ __all__ = [
 ]
 
 SELECTION_CSV = "selection.csv"
+#: The tuned baselines that stand beside the candidates: the two the generalist's bar names.
+REFERENCE_BASELINES = ("adam", "adam_cosine")
 
 
 class CheckpointValidation(NamedTuple):
@@ -92,6 +110,8 @@ class CheckpointValidation(NamedTuple):
       variant: the variant's name; empty for the rule without one.
       run: the run directory's name where the candidates come from several runs (its
         path where two runs share a name); else empty.
+      settings_met: the settings where it meets the bar against every reference (the
+        module docstring); None when no reference ran.
     """
 
     checkpoint: str
@@ -101,6 +121,7 @@ class CheckpointValidation(NamedTuple):
     unstable_tasks: int
     variant: str = ""
     run: str = ""
+    settings_met: tuple[str, ...] | None = None
 
     @property
     def label(self) -> str:
@@ -110,6 +131,53 @@ class CheckpointValidation(NamedTuple):
     def score(self) -> float:
         """The geometric mean over settings of ``mean_train_loss`` and ``final_test_loss``."""
         return _score([*self.mean_train_loss.values(), *self.final_test_loss.values()])
+
+
+class BaselineValidation(NamedTuple):
+    """A tuned baseline on the validation tasks: a reference the candidates should beat.
+
+    Attributes:
+      name: the baseline, as :data:`~popmeta.evaluate.baselines.BASELINES` names it.
+      learning_rates: setting name -> the learning rate ``popmeta eval`` tunes for it.
+      scores: setting name -> its per-task scores on the validation tasks.
+    """
+
+    name: str
+    learning_rates: dict[str, float]
+    scores: dict[str, TaskScores]
+
+    @property
+    def label(self) -> str:
+        return f"tuned {self.name}"
+
+    @property
+    def mean_train_loss(self) -> dict[str, float]:
+        return {name: float(np.mean(s.mean_train_loss)) for name, s in self.scores.items()}
+
+    @property
+    def final_test_loss(self) -> dict[str, float]:
+        return {name: float(np.mean(s.final_test_loss)) for name, s in self.scores.items()}
+
+    @property
+    def unstable_tasks(self) -> int:
+        return sum(s.unstable_tasks for s in self.scores.values())
+
+    @property
+    def score(self) -> float:
+        """As a candidate's: the geometric mean over settings of both losses."""
+        return _score([*self.mean_train_loss.values(), *self.final_test_loss.values()])
+
+
+def meets_bar(learned: TaskScores, references: Sequence[TaskScores]) -> bool:
+    """Whether ``learned``, paired by task against each reference, has a WIN on mean
+    training loss, a WIN or TIE on final test loss and no unstable task."""
+    if learned.unstable_tasks:
+        return False
+    for reference in references:
+        verdicts = {c.metric: c.verdict for c in compare(learned, reference, "")}
+        if verdicts["mean_train_loss"] != "WIN" or verdicts["final_test_loss"] == "LOSS":
+            return False
+    return True
 
 
 def _label(step: int, variant: str, run: str = "") -> str:
@@ -149,6 +217,7 @@ class Selection(NamedTuple):
     Attributes:
       rule_changes: learned-optimizer options run otherwise than trained
         (``field=value``), variants aside.
+      references: the tuned baselines on the same tasks (none: not run).
     """
 
     settings: list[str]
@@ -156,12 +225,21 @@ class Selection(NamedTuple):
     seed: int
     rule_changes: list[str]
     validations: list[CheckpointValidation]
+    references: tuple[BaselineValidation, ...] = ()
 
     @property
     def chosen(self) -> CheckpointValidation:
         return min(
             self.validations, key=lambda v: (v.unstable_tasks, v.score, -v.step, bool(v.variant))
         )
+
+    @property
+    def outscored_by(self) -> BaselineValidation | None:
+        """The best-scoring reference when the chosen candidate scores no lower, else None."""
+        if not self.references:
+            return None
+        best = min(self.references, key=lambda r: r.score)
+        return best if self.chosen.score >= best.score else None
 
 
 def run_checkpoints(location: str | os.PathLike[str]) -> list[str]:
@@ -197,6 +275,8 @@ def select_checkpoint(
     config_changes: Callable[[Config], Config] | None = None,
     variants: Mapping[str, Callable[[Config], Config]] | None = None,
     stream: TextIO | None = None,
+    references: Sequence[str] = REFERENCE_BASELINES,
+    baseline_cache: BaselineCache | None = None,
 ) -> Selection:
     """Validates every checkpoint (see the module docstring) and returns them all.
 
@@ -213,15 +293,25 @@ def select_checkpoint(
       variants: name -> a change of learned-optimizer options, applied after
         ``config_changes``; each is validated with every checkpoint too.
       stream: progress display.
+      references: baselines run beside the candidates on the same tasks, at the
+        learning rates ``popmeta eval`` tunes; empty: none.
+      baseline_cache: where those learning rates are looked up and kept; default
+        the user's (``$POPMETA_CACHE_DIR``, else ``~/.cache/popmeta``).
 
     Raises:
-      ValueError: no checkpoints, an unknown setting, a checkpoint whose theta
-        cannot run as a candidate's config says or that was trained with other
-        rule options than the newest (another run's), a variant that changes
-        more than the learned optimizer's options, or fewer than 2 tasks.
+      ValueError: no checkpoints, an unknown setting or reference, a checkpoint
+        whose theta cannot run as a candidate's config says or that was trained
+        with other rule options than the newest (another run's), a variant that
+        changes more than the learned optimizer's options, or fewer than 2 tasks.
     """
     if not checkpoints:
         raise ValueError("select: no checkpoints to choose from")
+    unknown = [name for name in references if name not in BASELINES]
+    if unknown:
+        raise ValueError(
+            f"select: no baseline {', '.join(map(repr, unknown))} to run beside the "
+            f"candidates; popmeta's are {', '.join(map(repr, BASELINES))}"
+        )
     steps = {os.fspath(c): checkpoint_step(posixpath.basename(os.fspath(c))) for c in checkpoints}
     ordered = sorted(steps, key=steps.__getitem__)
     trained, thetas = {}, {}
@@ -282,10 +372,12 @@ def select_checkpoint(
         )
 
     candidates = [(checkpoint, name) for name in configs for checkpoint in ordered]
-    train = {candidate: {} for candidate in candidates}
-    test = {candidate: {} for candidate in candidates}
-    unstable = dict.fromkeys(candidates, 0)
-    progress = UnitProgress(len(names) * len(candidates), stream, "select")
+    scores: dict[tuple[str, str], dict[str, TaskScores]] = {c: {} for c in candidates}
+    reference_lrs: dict[str, dict[str, float]] = {name: {} for name in references}
+    reference_scores: dict[str, dict[str, TaskScores]] = {name: {} for name in references}
+    cache = BaselineCache() if baseline_cache is None else baseline_cache
+    units = len(names) * (len(candidates) + len(references))
+    progress = UnitProgress(units, stream, "select")
     try:
         # Settings outside, checkpoints inside: one compile per setting and variant
         # serves every theta.
@@ -293,30 +385,56 @@ def select_checkpoint(
             for variant, candidate_config in validation.items():
                 run = learned_optimizer_run(candidate_config, settings[setting])
                 for checkpoint in ordered:
-                    scores = scores_of(run(thetas[checkpoint]))
-                    key = (checkpoint, variant)
-                    train[key][setting] = float(np.mean(scores.mean_train_loss))
-                    test[key][setting] = float(np.mean(scores.final_test_loss))
-                    unstable[key] += scores.unstable_tasks
+                    scores[checkpoint, variant][setting] = scores_of(run(thetas[checkpoint]))
                     progress.step(
                         f"{setting}: {_label(steps[checkpoint], variant, runs[checkpoint])}"
                     )
+            family = build_task_family(settings[setting].task)
+            for name in references:
+                tuned = cache.tuned_on(
+                    family,
+                    settings[setting].task,
+                    name,
+                    ev.num_tasks,
+                    settings[setting].num_steps,
+                    ev.seed,
+                    ev.tuning,
+                    ev.tuning_tasks,
+                    scored_on=(on_validation_tasks.seed, tasks),
+                )
+                reference_lrs[name][setting] = tuned.learning_rate
+                reference_scores[name][setting] = tuned.scores
+                progress.step(f"{setting}: tuned {name} (lr {tuned.learning_rate:.2g})")
     finally:
         progress.close()
 
-    validations = [
-        CheckpointValidation(
+    baselines = tuple(
+        BaselineValidation(name, reference_lrs[name], reference_scores[name]) for name in references
+    )
+
+    def validated(checkpoint: str, variant: str) -> CheckpointValidation:
+        own = scores[checkpoint, variant]
+        met = None
+        if baselines:
+            met = tuple(
+                name for name in names if meets_bar(own[name], [b.scores[name] for b in baselines])
+            )
+        return CheckpointValidation(
             checkpoint,
             steps[checkpoint],
-            train[checkpoint, variant],
-            test[checkpoint, variant],
-            unstable[checkpoint, variant],
+            {name: float(np.mean(s.mean_train_loss)) for name, s in own.items()},
+            {name: float(np.mean(s.final_test_loss)) for name, s in own.items()},
+            sum(s.unstable_tasks for s in own.values()),
             variant,
             runs[checkpoint],
+            met,
         )
+
+    validations = [
+        validated(checkpoint, variant)
         for checkpoint, variant in sorted(candidates, key=lambda c: (runs[c[0]], steps[c[0]]))
     ]
-    return Selection(names, tasks, on_validation_tasks.seed, rule_changes, validations)
+    return Selection(names, tasks, on_validation_tasks.seed, rule_changes, validations, baselines)
 
 
 def _score(losses: Sequence[float]) -> float:
@@ -334,20 +452,29 @@ def _score(losses: Sequence[float]) -> float:
 
 def format_selection(selection: Selection) -> str:
     """The validation table: two rows per setting (training and test loss), a column per
-    candidate, the chosen named."""
+    candidate and per reference, the chosen named and set against the references."""
     chosen = selection.chosen
-    header = ["setting", *(v.label for v in selection.validations)]
+    candidates, references = selection.validations, selection.references
+    header = ["setting", *(v.label for v in candidates), *(r.label for r in references)]
     rows = []
-    for quantity, per_candidate in (
-        ("train", [v.mean_train_loss for v in selection.validations]),
-        ("test", [v.final_test_loss for v in selection.validations]),
-    ):
+    for quantity in ("mean_train_loss", "final_test_loss"):
+        short = "train" if quantity == "mean_train_loss" else "test"
         for name in selection.settings:
-            losses = [candidate[name] for candidate in per_candidate]
+            losses = [getattr(v, quantity)[name] for v in candidates]
             best = min(losses)
-            rows.append([f"{name}: {quantity}", *(_cell(loss, loss == best) for loss in losses)])
-    rows.append(["unstable tasks", *(str(v.unstable_tasks) for v in selection.validations)])
-    rows.append(["score", *(_cell(v.score, v is chosen) for v in selection.validations)])
+            cells = [_cell(loss, loss == best) for loss in losses]
+            cells += [_cell(getattr(r, quantity)[name], False) for r in references]
+            rows.append([f"{name}: {short}", *cells])
+    every = [*candidates, *references]
+    rows.append(["unstable tasks", *(str(v.unstable_tasks) for v in every)])
+    if references:
+        count = len(selection.settings)
+        met = [f"{len(v.settings_met or ())}/{count} " for v in candidates]
+        rows.append(["settings meeting the bar", *met, *("- " for _ in references)])
+    rows.append(
+        ["score", *(_cell(v.score, v is chosen) for v in candidates)]
+        + [_cell(r.score, False) for r in references]
+    )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     title = (
         f"Validation on {selection.num_tasks} tasks of seed {selection.seed} per setting: "
@@ -356,6 +483,11 @@ def format_selection(selection: Selection) -> str:
     )
     if selection.rule_changes:
         title += f", with {', '.join(selection.rule_changes)}"
+    if references:
+        title += (
+            "; the tuned baselines at the learning rates popmeta eval tunes; the bar: against "
+            "each, a WIN on training loss and a WIN or TIE on test loss, paired by task"
+        )
     lines = [title]
     for row in [header, *rows]:
         cells = [row[0].ljust(widths[0])]
@@ -363,6 +495,13 @@ def format_selection(selection: Selection) -> str:
         lines.append("  ".join(cells))
     variant = f" with {chosen.variant}" if chosen.variant else ""
     lines.append(f"chosen: {chosen.checkpoint} (step {chosen.step}){variant}")
+    beaten_by = selection.outscored_by
+    if beaten_by is not None:
+        lines.append(
+            f"warning: the chosen candidate scores {chosen.score:.4g}, no lower than "
+            f"{beaten_by.label}'s {beaten_by.score:.4g} on the same tasks: this meta-training "
+            "learned less than tuning that baseline does; meta-train another seed"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -372,7 +511,8 @@ def _cell(value: float, marked: bool) -> str:
 
 
 def write_selection(selection: Selection, out_dir: str | os.PathLike[str]) -> str:
-    """Writes ``selection.csv`` (a row per candidate) under ``out_dir``; returns its path.
+    """Writes ``selection.csv`` (a row per candidate, then one per reference, named in its
+    ``baseline`` column) under ``out_dir``; returns its path.
 
     ``out_dir`` may be a storage URI.
 
@@ -381,10 +521,15 @@ def write_selection(selection: Selection, out_dir: str | os.PathLike[str]) -> st
     """
     check_output_dir(out_dir)
     columns = ["step", "checkpoint", "variant", "chosen", "score", "unstable_tasks"]
-    columns += ["num_tasks", "seed"]
+    columns += ["num_tasks", "seed", "baseline", "settings_meeting_bar"]
     for name in selection.settings:
         columns += [f"{name}: mean_train_loss", f"{name}: final_test_loss"]
     chosen = selection.chosen
+
+    def losses(v: CheckpointValidation | BaselineValidation) -> list[str]:
+        train, test = v.mean_train_loss, v.final_test_loss
+        return [f"{loss[name]:.6g}" for name in selection.settings for loss in (train, test)]
+
     try:
         with (
             local_output_dir(out_dir) as folder,
@@ -394,11 +539,13 @@ def write_selection(selection: Selection, out_dir: str | os.PathLike[str]) -> st
             writer.writerow(columns)
             for v in selection.validations:
                 row = [v.step, v.checkpoint, v.variant, v is chosen, f"{v.score:.6g}"]
-                row.append(v.unstable_tasks)
-                row += [selection.num_tasks, selection.seed]
-                for name in selection.settings:
-                    row += [f"{v.mean_train_loss[name]:.6g}", f"{v.final_test_loss[name]:.6g}"]
-                writer.writerow(row)
+                met = "" if v.settings_met is None else len(v.settings_met)
+                row += [v.unstable_tasks, selection.num_tasks, selection.seed, "", met]
+                writer.writerow(row + losses(v))
+            for r in selection.references:
+                row = ["", "", "", False, f"{r.score:.6g}", r.unstable_tasks]
+                row += [selection.num_tasks, selection.seed, r.name, ""]
+                writer.writerow(row + losses(r))
     except (OSError, StorageError) as err:
         raise EvalWriteError(f"cannot write the selection to {out_dir}: {err}") from None
     return join(out_dir, SELECTION_CSV)
