@@ -309,7 +309,7 @@ def _with_overrides(overrides: list[str]) -> Callable[[Config], Config]:
 
 def _select(args: argparse.Namespace) -> int:
     from popmeta.evaluate import (
-        REFERENCE_BASELINES,
+        BAR_BASELINES,
         EvalWriteError,
         format_selection,
         run_checkpoints,
@@ -359,7 +359,7 @@ def _select(args: argparse.Namespace) -> int:
             _with_overrides(overrides),
             variants,
             stream=sys.stderr,
-            references=() if args.no_baselines else REFERENCE_BASELINES,
+            references=() if args.no_baselines else BAR_BASELINES,
         )
         written = write_selection(selection, out)
     except EvalWriteError as err:

@@ -210,6 +210,20 @@ def test_every_setting_is_reported_and_written(evaluated, tmp_path):
     worst = float(np.max(adam.final_test_loss))
     row = next(line for line in text.splitlines()[1 + len(digits.scores) + 8 :] if "adam " in line)
     assert f"{np.median(adam.final_test_loss):.4g} | {worst:.4g}" in row
+    # The last line counts the settings that meet the bar against both Adams.
+    met = [
+        r.setting.name
+        for r in reports
+        if all(
+            r.comparison(b, "mean_train_loss").verdict == "WIN"
+            and r.comparison(b, "final_test_loss").verdict in ("WIN", "TIE")
+            for b in ("adam", "adam_cosine")
+        )
+    ]
+    missed = [r.setting.name for r in reports if r.setting.name not in met]
+    bar = next(line for line in text.splitlines() if line.startswith("The bar"))
+    assert f"is met in {len(met)} of 2 settings" in bar
+    assert bar.endswith(f"; missed: {'; '.join(missed)}" if missed else "settings")
     written = write_reports(reports, tmp_path / "eval", "title")
     assert (tmp_path / "eval" / "curves.png").stat().st_size > 10_000
     assert written.csv.endswith("results.csv")

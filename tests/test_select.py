@@ -19,11 +19,10 @@ from popmeta.evaluate import BASELINES, BaselineCache, evaluate_setting, setting
 from popmeta.evaluate.selection import (
     CheckpointValidation,
     Selection,
-    meets_bar,
     run_checkpoints,
     select_checkpoint,
 )
-from popmeta.evaluate.statistics import TaskScores, scores_of
+from popmeta.evaluate.statistics import TaskScores, compare, meets_bar, scores_of
 from popmeta.experiment import build_learned_optimizer, build_task_family, learner_start
 from popmeta.learner.checkpoint_layout import save_run_checkpoint
 from popmeta.learner.learner import Learner
@@ -154,9 +153,13 @@ def test_tuned_adam_and_adam_cosine_run_beside_the_candidates_on_the_same_tasks(
     good_scores = scores_of(
         training_curves(family, sgd, jax.random.key(config.eval.seed + 1), 4, 36)
     )
-    met = meets_bar(good_scores, [adam.scores["3x horizon"], adam_cosine.scores["3x horizon"]])
+    met = _meets_bar(good_scores, adam.scores["3x horizon"], adam_cosine.scores["3x horizon"])
     assert good.settings_met == (("3x horizon",) if met else ())
     assert blown.settings_met == ()  # unstable tasks never meet it
+
+
+def _meets_bar(learned: TaskScores, *references: TaskScores) -> bool:
+    return meets_bar([c for i, r in enumerate(references) for c in compare(learned, r, str(i))])
 
 
 def _scores(train, test, initial: float = 1.0) -> TaskScores:
@@ -172,12 +175,13 @@ def test_the_bar_is_a_training_loss_win_and_no_test_loss_loss_against_each_refer
     noise = rng.normal(0.0, 0.01, 8)
     noise -= noise.mean()  # a difference of mean zero: a TIE, whatever its spread
     ahead = _scores(base - 0.05, base + noise)  # training loss: a WIN; test loss: a TIE
-    assert meets_bar(ahead, [adam, adam])
-    assert not meets_bar(_scores(base + noise, base - 0.05), [adam])  # training loss: a TIE
-    assert not meets_bar(_scores(base - 0.05, base + 0.05), [adam])  # test loss: a LOSS
-    assert not meets_bar(ahead, [adam, _scores(base - 0.1, base)])  # behind one of them
+    assert _meets_bar(ahead, adam, adam)
+    assert not _meets_bar(_scores(base + noise, base - 0.05), adam)  # training loss: a TIE
+    assert not _meets_bar(_scores(base - 0.05, base + 0.05), adam)  # test loss: a LOSS
+    assert not _meets_bar(ahead, adam, _scores(base - 0.1, base))  # behind one of them
     blown = _scores(base - 0.05, np.r_[base[:7], 2.0])  # a task ends above its initial loss
-    assert not meets_bar(blown, [adam])
+    assert not _meets_bar(blown, adam)
+    assert not meets_bar([])  # nothing to meet it against
 
 
 def test_a_run_that_learned_less_than_tuning_adam_does_is_named(run, tmp_path, capsys):

@@ -31,7 +31,6 @@ from popmeta.evaluate.runs import (
     trained_horizon,
 )
 from popmeta.evaluate.selection import (
-    REFERENCE_BASELINES,
     BaselineValidation,
     CheckpointValidation,
     Selection,
@@ -42,21 +41,23 @@ from popmeta.evaluate.selection import (
     write_selection,
 )
 from popmeta.evaluate.statistics import (
+    BAR_BASELINES,
     METRICS,
     Comparison,
     TaskScores,
     compare,
+    meets_bar,
     paired_interval,
     scores_of,
     t_quantile_975,
 )
 
 __all__ = [
+    "BAR_BASELINES",
     "BASELINES",
     "CSV_COLUMNS",
     "LEARNING_RATES",
     "METRICS",
-    "REFERENCE_BASELINES",
     "BaselineCache",
     "BaselineValidation",
     "CheckpointValidation",
@@ -77,6 +78,7 @@ __all__ = [
     "format_selection",
     "learned_optimizer_run",
     "load_theta",
+    "meets_bar",
     "paired_interval",
     "run_checkpoints",
     "run_of",

@@ -20,7 +20,13 @@ import numpy as np
 
 from popmeta.evaluate.baselines import BASELINES
 from popmeta.evaluate.runs import SettingReport
-from popmeta.evaluate.statistics import METRICS, TaskScores, mean_interval
+from popmeta.evaluate.statistics import (
+    BAR_BASELINES,
+    METRICS,
+    TaskScores,
+    mean_interval,
+    meets_bar,
+)
 from popmeta.storage import RemoteDir, StorageError, is_remote, join, local_output_dir, local_path
 from popmeta.summaries import Summaries
 
@@ -91,7 +97,21 @@ def format_reports(reports: Sequence[SettingReport]) -> str:
                     row += f" {cell:>36}"
                 lines.append(row)
         lines.append("")
+    judged = [r for r in reports if any(c.baseline in BAR_BASELINES for c in r.comparisons)]
+    if judged:
+        met = [r.setting.name for r in judged if _meets_bar(r)]
+        missed = [r.setting.name for r in judged if r.setting.name not in met]
+        lines.append(
+            f"The bar (against {' and '.join(BAR_BASELINES)}: a WIN on mean_train_loss and "
+            f"a WIN or TIE on final_test_loss) is met in {len(met)} of {len(judged)} settings"
+            + (f"; missed: {'; '.join(missed)}" if missed else "")
+        )
+        lines.append("")
     return "\n".join(lines)
+
+
+def _meets_bar(report: SettingReport) -> bool:
+    return meets_bar([c for c in report.comparisons if c.baseline in BAR_BASELINES])
 
 
 def _slug(text: str) -> str:

@@ -68,7 +68,7 @@ from popmeta.evaluate.baselines import BASELINES, BaselineCache, tuning_seed
 from popmeta.evaluate.checkpoints import checked_rule_changes, load_theta
 from popmeta.evaluate.report import EvalWriteError, check_output_dir
 from popmeta.evaluate.runs import UnitProgress, learned_optimizer_run, settings_of
-from popmeta.evaluate.statistics import TaskScores, compare, scores_of
+from popmeta.evaluate.statistics import BAR_BASELINES, TaskScores, compare, meets_bar, scores_of
 from popmeta.experiment import build_task_family
 from popmeta.learner.checkpoints import checkpoint_step, is_checkpoint_name, list_checkpoints
 from popmeta.storage import (
@@ -82,7 +82,6 @@ from popmeta.storage import (
 )
 
 __all__ = [
-    "REFERENCE_BASELINES",
     "BaselineValidation",
     "CheckpointValidation",
     "Selection",
@@ -94,8 +93,6 @@ __all__ = [
 ]
 
 SELECTION_CSV = "selection.csv"
-#: The tuned baselines that stand beside the candidates: the two the generalist's bar names.
-REFERENCE_BASELINES = ("adam", "adam_cosine")
 
 
 class CheckpointValidation(NamedTuple):
@@ -166,18 +163,6 @@ class BaselineValidation(NamedTuple):
     def score(self) -> float:
         """As a candidate's: the geometric mean over settings of both losses."""
         return _score([*self.mean_train_loss.values(), *self.final_test_loss.values()])
-
-
-def meets_bar(learned: TaskScores, references: Sequence[TaskScores]) -> bool:
-    """Whether ``learned``, paired by task against each reference, has a WIN on mean
-    training loss, a WIN or TIE on final test loss and no unstable task."""
-    if learned.unstable_tasks:
-        return False
-    for reference in references:
-        verdicts = {c.metric: c.verdict for c in compare(learned, reference, "")}
-        if verdicts["mean_train_loss"] != "WIN" or verdicts["final_test_loss"] == "LOSS":
-            return False
-    return True
 
 
 def _label(step: int, variant: str, run: str = "") -> str:
@@ -275,7 +260,7 @@ def select_checkpoint(
     config_changes: Callable[[Config], Config] | None = None,
     variants: Mapping[str, Callable[[Config], Config]] | None = None,
     stream: TextIO | None = None,
-    references: Sequence[str] = REFERENCE_BASELINES,
+    references: Sequence[str] = BAR_BASELINES,
     baseline_cache: BaselineCache | None = None,
 ) -> Selection:
     """Validates every checkpoint (see the module docstring) and returns them all.
@@ -417,7 +402,11 @@ def select_checkpoint(
         met = None
         if baselines:
             met = tuple(
-                name for name in names if meets_bar(own[name], [b.scores[name] for b in baselines])
+                name
+                for name in names
+                if meets_bar(
+                    [c for b in baselines for c in compare(own[name], b.scores[name], b.name)]
+                )
             )
         return CheckpointValidation(
             checkpoint,

@@ -14,6 +14,7 @@ task scores an infinite loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -21,12 +22,14 @@ import numpy as np
 from popmeta.core.evaluation import TrainingCurves
 
 __all__ = [
+    "BAR_BASELINES",
     "METRICS",
     "Comparison",
     "TaskScores",
     "compare",
     "mean_interval",
     "mean_train_losses",
+    "meets_bar",
     "paired_interval",
     "scores_of",
     "t_quantile_975",
@@ -34,6 +37,8 @@ __all__ = [
 
 #: Metric name -> whether higher is better.
 METRICS = {"mean_train_loss": False, "final_test_loss": False, "final_test_accuracy": True}
+#: The baselines the bar is met against (:func:`meets_bar`).
+BAR_BASELINES = ("adam", "adam_cosine")
 
 
 class TaskScores(NamedTuple):
@@ -166,6 +171,19 @@ def compare(learned: TaskScores, baseline: TaskScores, name: str) -> list[Compar
         verdict = "LOSS" if unstable else _verdict(a, b, mean, half_width, higher_is_better)
         comparisons.append(Comparison(name, metric, mean, half_width, verdict, unstable))
     return comparisons
+
+
+def meets_bar(comparisons: Sequence[Comparison]) -> bool:
+    """Whether ``comparisons`` (of one setting, against each baseline to beat) show a WIN
+    on mean training loss and a WIN or TIE on final test loss: the bar a learned
+    optimizer meant to replace tuned Adam must clear. An unstable setting's verdicts are
+    LOSSes, so it never meets it."""
+    verdicts = {(c.baseline, c.metric): c.verdict for c in comparisons}
+    return bool(verdicts) and all(
+        verdicts.get((baseline, "mean_train_loss")) == "WIN"
+        and verdicts.get((baseline, "final_test_loss")) in ("WIN", "TIE")
+        for baseline in {c.baseline for c in comparisons}
+    )
 
 
 def mean_train_losses(train_curves: np.ndarray) -> np.ndarray:
