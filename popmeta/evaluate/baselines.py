@@ -11,7 +11,8 @@ around the best of those.
 A tuned baseline's test scores depend only on the setting (its task section
 and number of steps), the task counts, the seed and the grid, so they are
 cached on disk (``$POPMETA_CACHE_DIR``, by default ``~/.cache/popmeta``):
-evaluating a second checkpoint runs only the learned optimizer.
+evaluating a second checkpoint runs only the learned optimizer. ``popmeta
+select`` runs the tuned baselines on its validation tasks too, cached beside.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def _default_cache_dir() -> Path:
 
 
 class BaselineCache:
-    """Tuned baselines on disk, one ``.npz`` per (setting, baseline, task counts, seed, grid, tuning).
+    """Tuned baselines on disk, one ``.npz`` per (setting, baseline, task counts, seed, grid, tuning),
+    and one per other set of tasks a tuned baseline is scored on (:meth:`tuned_on`).
 
     A cache that cannot be read or written is skipped: the baseline is
     simply tuned again.
