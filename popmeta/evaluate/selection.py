@@ -39,7 +39,7 @@ ones the references' learning rates were chosen on, which favours the
 references. A chosen candidate that scores no lower than a reference learned
 less than tuning that baseline does, and the table says so: the generalist's
 one failed seed of seven scored 0.1126 where tuned Adam + cosine scores
-0.1016 and the other six scored 0.0841 to 0.0921 (docs/generalist.md).
+0.1014 and the other six scored 0.0841 to 0.0921 (docs/generalist.md).
 
 The checkpoints may come from several runs, such as the seeds of one config
 (a user who meta-trained several chooses among all of them at once). Every
