@@ -143,7 +143,7 @@ def _default_cache_dir() -> Path:
 
 class BaselineCache:
     """Tuned baselines on disk, one ``.npz`` per (setting, baseline, task counts, seed, grid, tuning),
-    and one per other set of tasks a tuned baseline is scored on (:meth:`tuned_on`).
+    and one per other set of tasks a tuned baseline is scored on (``scored_on``).
 
     A cache that cannot be read or written is skipped: the baseline is
     simply tuned again.
@@ -199,45 +199,34 @@ class BaselineCache:
         seed: int,
         tuning: str,
         tuning_tasks: int | None = None,
+        scored_on: tuple[int, int] | None = None,
     ) -> TunedBaseline:
-        """The cached tuned baseline, or a newly tuned one (then cached)."""
-        path = self._path(task, baseline, num_steps, num_tasks, seed, tuning, tuning_tasks)
-        cached = None if self.refresh else self._read(path)
-        if cached is not None:
-            return cached
-        tuned = tune_baseline(
-            family, BASELINES[baseline], num_tasks, num_steps, seed, tuning, tuning_tasks
-        )
-        self._write(path, tuned)
-        return tuned
+        """The cached tuned baseline, or a newly tuned one (then cached).
 
-    def tuned_on(
-        self,
-        family: TaskFamily,
-        task: TaskConfig,
-        baseline: str,
-        num_tasks: int,
-        num_steps: int,
-        seed: int,
-        tuning: str,
-        tuning_tasks: int | None,
-        scored_on: tuple[int, int],
-    ) -> TunedBaseline:
-        """The baseline :meth:`tuned` tunes, scored on other tasks instead of the test
-        tasks: ``scored_on`` = (seed, count) draws them (cached too)."""
+        Args:
+          scored_on: (seed, count): score the tuned learning rate on ``count`` tasks
+            drawn from ``seed`` instead of the test tasks (an entry of its own).
+        """
         path = self._path(
             task, baseline, num_steps, num_tasks, seed, tuning, tuning_tasks, scored_on
         )
         cached = None if self.refresh else self._read(path)
         if cached is not None:
             return cached
-        tuned = self.tuned(family, task, baseline, num_tasks, num_steps, seed, tuning, tuning_tasks)
-        lr = tuned.learning_rate
-        other_seed, count = scored_on
-        scores = scores_at(family, BASELINES[baseline], lr, num_steps, other_seed, count)
-        scored = TunedBaseline(lr, scores)
-        self._write(path, scored)
-        return scored
+        if scored_on is None:
+            tuned = tune_baseline(
+                family, BASELINES[baseline], num_tasks, num_steps, seed, tuning, tuning_tasks
+            )
+        else:
+            test = self.tuned(
+                family, task, baseline, num_tasks, num_steps, seed, tuning, tuning_tasks
+            )
+            lr = test.learning_rate
+            tuned = TunedBaseline(
+                lr, scores_at(family, BASELINES[baseline], lr, num_steps, *scored_on)
+            )
+        self._write(path, tuned)
+        return tuned
 
     @staticmethod
     def _read(path: Path) -> TunedBaseline | None:

@@ -376,7 +376,7 @@ def select_checkpoint(
                     )
             family = build_task_family(settings[setting].task)
             for name in references:
-                tuned = cache.tuned_on(
+                tuned = cache.tuned(
                     family,
                     settings[setting].task,
                     name,
