@@ -276,7 +276,7 @@ def _train(config, from_checkpoint: str | None) -> int:
         )
     print(
         f"`popmeta select {result.run_dir}` chooses among the checkpoints it kept, on the "
-        "baselines' tuning tasks"
+        "baselines' tuning tasks, and warns if tuned Adam does as well there"
     )
     return EX_INTERRUPTED if result.interrupted else 0
 
