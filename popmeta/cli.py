@@ -337,13 +337,15 @@ def _select(args: argparse.Namespace) -> int:
     if args.last is not None and args.last < 1:
         return _fail(f"select --last {args.last}: expected at least 1 checkpoint", EX_USAGE)
     try:
-        checkpoints = []
+        checkpoints, left_out = [], 0
         for source in args.checkpoints:
             if source.rstrip("/").endswith(".npz"):
                 checkpoints.append(source)
             else:
                 kept = run_checkpoints(source)
-                checkpoints += kept if args.last is None else kept[-args.last :]
+                newest = kept if args.last is None else kept[-args.last :]
+                checkpoints += newest
+                left_out += len(kept) - len(newest)
         homes = sorted({run_of(checkpoint) for checkpoint in checkpoints})
         if out is None and len(homes) > 1:
             return _fail(
@@ -367,6 +369,12 @@ def _select(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         return _fail(str(err), EX_USAGE)
     print(format_selection(selection), end="")
+    if selection.outscored_by is not None and left_out:
+        # A run that fell back late may have been ahead earlier (docs/generalist.md).
+        print(
+            f"--last {args.last} left out {left_out} older checkpoint(s): select without "
+            "--last validates them too"
+        )
     print(f"table (CSV): {written}")
     chosen = selection.chosen
     sets = [*overrides, *variant_sets.get(chosen.variant, [])]

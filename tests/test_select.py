@@ -204,6 +204,11 @@ def test_a_run_that_learned_less_than_tuning_adam_does_is_named(run, tmp_path, c
         ("adam_cosine", ""),
     ]
     assert min(float(r["score"]) for r in rows[1:]) <= float(rows[0]["score"])
+    # Where --last left older checkpoints out, the warning says they may be ahead.
+    assert main(["select", str(run_dir), "--last", "1", "--out", str(tmp_path / "last")]) == 0
+    printed = capsys.readouterr().out
+    assert "warning: " in printed
+    assert "--last 1 left out 2 older checkpoint(s): select without --last" in printed
     # Without the baselines: no columns, no rows, no verdict.
     assert main(["select", str(slow), "--out", str(out), "--no-baselines"]) == 0
     printed = capsys.readouterr().out

@@ -8,7 +8,9 @@ TIE when it contains zero. A setting where any of the learned optimizer's
 tasks ends with a test loss above its initial one, or not finite, is
 *unstable*: every verdict there is LOSS, with the count of such tasks, since
 a mean and its interval hide a few blow-ups among many good runs. A diverged
-task scores an infinite loss.
+task scores an infinite loss. A setting meets *the bar* (:func:`meets_bar`)
+when against tuned Adam and Adam + cosine its training loss is a WIN and its
+test loss a WIN or TIE.
 """
 
 from __future__ import annotations
