@@ -97,21 +97,20 @@ def format_reports(reports: Sequence[SettingReport]) -> str:
                     row += f" {cell:>36}"
                 lines.append(row)
         lines.append("")
-    judged = [r for r in reports if any(c.baseline in BAR_BASELINES for c in r.comparisons)]
-    if judged:
-        met = [r.setting.name for r in judged if _meets_bar(r)]
-        missed = [r.setting.name for r in judged if r.setting.name not in met]
+    bar = {
+        r.setting.name: meets_bar(against)
+        for r in reports
+        if (against := [c for c in r.comparisons if c.baseline in BAR_BASELINES])
+    }
+    if bar:
+        missed = [name for name, met in bar.items() if not met]
         lines.append(
             f"The bar (against {' and '.join(BAR_BASELINES)}: a WIN on mean_train_loss and "
-            f"a WIN or TIE on final_test_loss) is met in {len(met)} of {len(judged)} settings"
-            + (f"; missed: {'; '.join(missed)}" if missed else "")
+            f"a WIN or TIE on final_test_loss) is met in {sum(bar.values())} of {len(bar)} "
+            "settings" + (f"; missed: {'; '.join(missed)}" if missed else "")
         )
         lines.append("")
     return "\n".join(lines)
-
-
-def _meets_bar(report: SettingReport) -> bool:
-    return meets_bar([c for c in report.comparisons if c.baseline in BAR_BASELINES])
 
 
 def _slug(text: str) -> str:

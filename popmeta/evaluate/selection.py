@@ -66,7 +66,7 @@ from typing import NamedTuple, TextIO
 import numpy as np
 
 from popmeta.config import Config, config_fields
-from popmeta.evaluate.baselines import BASELINES, BaselineCache, tuning_seed
+from popmeta.evaluate.baselines import BASELINES, BaselineCache, TunedBaseline, tuning_seed
 from popmeta.evaluate.checkpoints import checked_rule_changes, load_theta
 from popmeta.evaluate.report import EvalWriteError, check_output_dir
 from popmeta.evaluate.runs import UnitProgress, learned_optimizer_run, settings_of
@@ -360,8 +360,7 @@ def select_checkpoint(
 
     candidates = [(checkpoint, name) for name in configs for checkpoint in ordered]
     scores: dict[tuple[str, str], dict[str, TaskScores]] = {c: {} for c in candidates}
-    reference_lrs: dict[str, dict[str, float]] = {name: {} for name in references}
-    reference_scores: dict[str, dict[str, TaskScores]] = {name: {} for name in references}
+    tuned: dict[str, dict[str, TunedBaseline]] = {name: {} for name in references}
     cache = BaselineCache() if baseline_cache is None else baseline_cache
     units = len(names) * (len(candidates) + len(references))
     progress = UnitProgress(units, stream, "select")
@@ -378,7 +377,7 @@ def select_checkpoint(
                     )
             family = build_task_family(settings[setting].task)
             for name in references:
-                tuned = cache.tuned(
+                reference = cache.tuned(
                     family,
                     settings[setting].task,
                     name,
@@ -389,14 +388,18 @@ def select_checkpoint(
                     ev.tuning_tasks,
                     scored_on=(on_validation_tasks.seed, tasks),
                 )
-                reference_lrs[name][setting] = tuned.learning_rate
-                reference_scores[name][setting] = tuned.scores
-                progress.step(f"{setting}: tuned {name} (lr {tuned.learning_rate:.2g})")
+                tuned[name][setting] = reference
+                progress.step(f"{setting}: tuned {name} (lr {reference.learning_rate:.2g})")
     finally:
         progress.close()
 
     baselines = tuple(
-        BaselineValidation(name, reference_lrs[name], reference_scores[name]) for name in references
+        BaselineValidation(
+            name,
+            {setting: t.learning_rate for setting, t in per_setting.items()},
+            {setting: t.scores for setting, t in per_setting.items()},
+        )
+        for name, per_setting in tuned.items()
     )
 
     def validated(checkpoint: str, variant: str) -> CheckpointValidation:
@@ -448,8 +451,7 @@ def format_selection(selection: Selection) -> str:
     candidates, references = selection.validations, selection.references
     header = ["setting", *(v.label for v in candidates), *(r.label for r in references)]
     rows = []
-    for quantity in ("mean_train_loss", "final_test_loss"):
-        short = "train" if quantity == "mean_train_loss" else "test"
+    for short, quantity in (("train", "mean_train_loss"), ("test", "final_test_loss")):
         for name in selection.settings:
             losses = [getattr(v, quantity)[name] for v in candidates]
             best = min(losses)
