@@ -16,6 +16,7 @@ from popmeta.core.learned_optimizers import (
     LearnedOptimizer,
     MLPLOpt,
     MLPLOptState,
+    features,
 )
 from popmeta.core.optimizers import SGD, SGDM, Adam, Optimizer
 from popmeta.core.tasks import FixedDimQuadraticFamily
@@ -264,7 +265,8 @@ def _mlp_lopt_update_one_parameter_at_a_time(lopt: MLPLOpt, theta, state, grad):
     return MLPLOptState(params, momentums, rms, state.iteration + 1)
 
 
-@pytest.mark.parametrize("rows", [7, 40, 482])  # 41, 206 and 2,416 parameters
+# 41 and 206 parameters run row-major, 2,416 feature-major (features.FEATURE_MAJOR_MIN_ROWS).
+@pytest.mark.parametrize("rows", [7, 40, 482])
 def test_mlp_lopt_fast_path_equals_the_per_parameter_formulation(rows: int):
     lopt = MLPLOpt(output_init_scale=1.0)
     # A population of distinct thetas, as a PES unroll vmaps over (members, tasks).
@@ -287,3 +289,37 @@ def test_mlp_lopt_fast_path_equals_the_per_parameter_formulation(rows: int):
         for got, want in zip(jax.tree.leaves(states), jax.tree.leaves(expected), strict=True):
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
     assert np.abs(states.params["w"] - params["w"]).mean() > 1e-4  # the steps were not all zero
+
+
+@pytest.mark.parametrize("sign_symmetric", [False, True])
+def test_the_mlps_two_layouts_compute_the_same_outputs(monkeypatch, sign_symmetric: bool):
+    theta = features.per_parameter_mlp_init(KEY, 10 + 3, 32, 2, output_init_scale=1.0)
+    thetas = jax.vmap(lambda k: jax.tree.map(lambda t: t * (1 + jax.random.normal(k)), theta))(
+        jax.random.split(KEY, 4)
+    )
+    keys = jax.random.split(jax.random.fold_in(KEY, 1), 5)
+    params = {"w": jax.random.normal(keys[0], (300, 4)), "b": jax.random.normal(keys[1], (4,))}
+    grad = jax.tree.map(lambda p: jax.random.normal(keys[2], p.shape), params)
+    momentums = jax.tree.map(lambda p: jax.random.normal(keys[3], (*p.shape, 3)), params)
+    rms = jax.tree.map(lambda p: jax.random.uniform(keys[4], p.shape), params)
+    shared = jnp.linspace(-1.0, 1.0, 3)
+
+    def outputs(min_rows: int):
+        monkeypatch.setattr(features, "FEATURE_MAJOR_MIN_ROWS", min_rows)
+        mlp = jax.jit(
+            jax.vmap(
+                lambda t: features.per_parameter_mlp(
+                    t, params, grad, momentums, rms, shared, 1e-8, sign_symmetric=sign_symmetric
+                )
+            )
+        )
+        return mlp(thetas)
+
+    feature_major, row_major = outputs(1), outputs(10**9)
+    for output in (feature_major, row_major):  # (directions, magnitudes), params-shaped
+        for tree in output:
+            assert jax.tree.map(jnp.shape, tree) == jax.tree.map(lambda p: (4, *p.shape), params)
+    for got, want in zip(jax.tree.leaves(feature_major), jax.tree.leaves(row_major), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The outputs are not all alike: each parameter gets its own.
+    assert float(jnp.std(feature_major[0]["w"])) > 1e-3

@@ -300,8 +300,7 @@ def per_parameter_features(
 
     Feature-major: row ``i`` holds feature ``i`` of every element of the
     flattened tensor, so the normalisation reduces along rows
-    (:func:`per_parameter_mlp` transposes the stacked features, and XLA
-    folds that transpose into the first layer's loop). In
+    (:func:`per_parameter_mlp` stacks the tensors' features side by side). In
     order: ``p``, ``g``, the momentums ``m`` (one row per decay), ``v``, the
     Adam-like ratios ``m / sqrt(v + epsilon)`` and ``1 / sqrt(v + epsilon)``,
     each divided by its root mean square over the tensor, which makes the
@@ -350,9 +349,13 @@ def mlp_init(key: jax.Array, sizes: Sequence[int], output_init_scale: float) -> 
 #: A layer with at most this many weights runs as a sum of outer products (see :func:`_linear`).
 _MAX_UNROLLED_WEIGHTS = 512
 
+#: From this many rows of features on (parameters, twice that with ``sign_symmetric``), the
+#: MLP runs feature-major (see :func:`_mlp`).
+FEATURE_MAJOR_MIN_ROWS = 1024
 
-def _linear(w: jax.Array, x: jax.Array) -> jax.Array:
-    """``x @ w`` for ``x`` of ``[n, fan_in]``.
+
+def _linear(w: jax.Array, x: jax.Array, feature_major: bool) -> jax.Array:
+    """``x @ w`` for row-major ``x`` of ``[n, fan_in]``; ``w.T @ x`` for feature-major ``[fan_in, n]``.
 
     A small layer (the first, reading ~10 features, and the 2-unit output
     layer) is written as ``fan_in`` broadcast multiply-adds, which XLA fuses
@@ -367,8 +370,15 @@ def _linear(w: jax.Array, x: jax.Array) -> jax.Array:
     """
     fan_in, fan_out = w.shape
     if fan_in * fan_out > _MAX_UNROLLED_WEIGHTS:
+        if feature_major:
+            return jnp.matmul(w.T, x, preferred_element_type=jnp.float32)
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
     w, x = w.astype(jnp.float32), x.astype(jnp.float32)
+    if feature_major:
+        out = x[0][None, :] * w[0][:, None]
+        for k in range(1, fan_in):
+            out = out + x[k][None, :] * w[k][:, None]
+        return out
     out = x[:, 0, None] * w[0][None, :]
     for k in range(1, fan_in):
         out = out + x[:, k, None] * w[k][None, :]
@@ -376,19 +386,27 @@ def _linear(w: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def _mlp(theta: Params, x: jax.Array, shared: jax.Array, dtype: str = "float32") -> jax.Array:
-    """The MLP on row-major inputs ``x`` of ``[n, features]``; ``[n, 2]`` float32 outputs.
+    """The MLP on feature-major inputs ``x`` of ``[features, n]``; ``[2, n]`` float32 outputs.
 
     ``dtype`` is what the layers' inputs and weights are multiplied in
     (``bfloat16``: in it, summed in float32, each layer's output rounded to it
     before the next layer); biases and outputs stay float32. The shared
     inputs' share of the first layer is a bias.
 
-    Row-major because the hidden layer's dot is then ``[n, 32] @ [32, 32]``
-    for each member, which XLA's CPU dot splits well over its threads; the
-    feature-major ``[32, 32] @ [32, n]`` this replaced ran that layer about
-    twice as slowly on two cores (docs/performance.md, "Why it is fast").
+    Below :data:`FEATURE_MAJOR_MIN_ROWS` rows the layers run row-major
+    (``[n, 32] @ [32, 32]`` for the hidden layer), from there on
+    feature-major (``[32, 32] @ [32, n]``): on XLA's CPU backend the small
+    problems' layers run faster row-major, the large ones' feature-major on
+    one core, where the default Ray actors run (docs/performance.md, "The
+    per-parameter MLP's layout"). The choice depends only on the shapes, so
+    every process of a run, the driver and each actor whatever its cores,
+    computes the same numbers: a run moved between engines goes on bit for
+    bit.
     """
-    num_per_parameter = x.shape[1]
+    num_per_parameter = x.shape[0]
+    feature_major = x.shape[1] >= FEATURE_MAJOR_MIN_ROWS
+    if not feature_major:
+        x = x.T
     n_layers = len(theta)
     for i in range(n_layers):
         layer = theta[f"linear_{i}"]
@@ -396,10 +414,11 @@ def _mlp(theta: Params, x: jax.Array, shared: jax.Array, dtype: str = "float32")
         if i == 0:
             b = b + shared @ w[num_per_parameter:]
             w = w[:num_per_parameter]
-        x = _linear(w.astype(dtype), x.astype(dtype)) + b
+        x = _linear(w.astype(dtype), x.astype(dtype), feature_major)
+        x = x + (b[:, None] if feature_major else b)
         if i < n_layers - 1:
             x = jax.nn.relu(x)
-    return x
+    return x if feature_major else x.T
 
 
 def per_parameter_mlp(
@@ -434,7 +453,7 @@ def per_parameter_mlp(
     reads), and the MLP is the relu MLP of :func:`mlp_init`. It is computed
     the way XLA runs it fastest, and equals the MLP applied to each
     parameter's input row up to float rounding: every tensor's features are
-    stacked into one ``[total parameters, features]`` matrix, so each layer
+    stacked into one ``[features, total parameters]`` matrix, so each layer
     is one operation however many tensors the inner problem has, and the
     shared features' share of the first layer is computed once, as a bias,
     instead of once per parameter (faster than per-tensor dots:
@@ -453,19 +472,16 @@ def per_parameter_mlp(
             )
         ]
     with jax.named_scope("per_parameter_mlp"):
-        x = jnp.concatenate(columns, axis=1).T
+        x = jnp.concatenate(columns, axis=1)
         if sign_symmetric:
-            signs = mirror_signs((x.shape[1] - _NUM_PER_PARAMETER_BASE) // 2)
-            both = _mlp(theta, jnp.concatenate([x, x * signs]), shared, mlp_dtype)
-            plain, mirrored = jnp.split(both, 2, axis=0)
-            x = (
-                jnp.stack([plain[:, 0] - mirrored[:, 0], plain[:, 1] + mirrored[:, 1]], axis=1)
-                * 0.5
-            )
+            signs = mirror_signs((x.shape[0] - _NUM_PER_PARAMETER_BASE) // 2)[:, None]
+            both = _mlp(theta, jnp.concatenate([x, x * signs], axis=1), shared, mlp_dtype)
+            plain, mirrored = jnp.split(both, 2, axis=1)
+            x = jnp.stack([plain[0] - mirrored[0], plain[1] + mirrored[1]]) * 0.5
         else:
             x = _mlp(theta, x, shared, mlp_dtype)
     offsets = np.cumsum([p.size for p in leaves])[:-1]
-    outputs = jnp.split(x, offsets, axis=0)
-    first = [o[:, 0].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
-    second = [o[:, 1].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
+    outputs = jnp.split(x, offsets, axis=1)
+    first = [o[0].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
+    second = [o[1].reshape(p.shape) for o, p in zip(outputs, leaves, strict=True)]
     return treedef.unflatten(first), treedef.unflatten(second)
