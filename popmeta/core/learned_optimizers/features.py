@@ -374,14 +374,13 @@ def _linear(w: jax.Array, x: jax.Array, feature_major: bool) -> jax.Array:
             return jnp.matmul(w.T, x, preferred_element_type=jnp.float32)
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
     w, x = w.astype(jnp.float32), x.astype(jnp.float32)
-    if feature_major:
-        out = x[0][None, :] * w[0][:, None]
-        for k in range(1, fan_in):
-            out = out + x[k][None, :] * w[k][:, None]
-        return out
-    out = x[:, 0, None] * w[0][None, :]
+
+    def term(k: int) -> jax.Array:  # input k of every parameter times its weights
+        return x[k][None, :] * w[k][:, None] if feature_major else x[:, k, None] * w[k][None, :]
+
+    out = term(0)
     for k in range(1, fan_in):
-        out = out + x[:, k, None] * w[k][None, :]
+        out = out + term(k)
     return out
 
 
