@@ -10,6 +10,7 @@ checkpoint and exits with its own status.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import errno
 import importlib.metadata
@@ -23,7 +24,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from popmeta.accelerator_memory import allocate_as_needed
 from popmeta.config import Config, ConfigError, config_to_yaml, load_config
@@ -563,10 +564,26 @@ def console() -> None:
     allocate_as_needed()
     status = main()
     if status == EX_INTERRUPTED:
-        # Ray's exit handler still stops the processes this run started: one
-        # more Ctrl-C must not break that off half-way.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _exit_interrupted()
     sys.exit(status)
+
+
+def _exit_interrupted() -> NoReturn:
+    """Ends the process with :data:`EX_INTERRUPTED` once its exit handlers have run.
+
+    Ray's exit handler still stops the processes this run started: one more
+    Ctrl-C must not break that off half-way, so SIGINT is ignored first. The
+    process then ends through ``os._exit``, not ``sys.exit``: CPython ends a
+    process by SIGINT instead of with its exit status once a KeyboardInterrupt
+    has left code that an extension ran through ``PyRun_String`` (Ray's
+    ``_raylet`` does), as a Ctrl-C while Ray starts can.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or hung-up stream
+            stream.flush()
+    os._exit(EX_INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -165,6 +165,41 @@ def test_ctrl_c_while_starting_or_closing_is_one_paragraph_and_exit_130(tmp_path
     assert f"{saved.relative_to(tmp_path)} is saved" in out
 
 
+# A KeyboardInterrupt leaves code run through PyRun_StringFlags, as one can
+# inside Ray's extension while a Ctrl-C stops the start; then the interrupted
+# command's own exit, run as `python -m`.
+INTERRUPTED_IN_AN_EXTENSION = """
+import atexit, ctypes, sys
+from pathlib import Path
+from popmeta.cli import _exit_interrupted
+
+run = ctypes.pythonapi.PyRun_StringFlags
+run.restype = ctypes.py_object
+run.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object, ctypes.c_void_p]
+try:
+    run(b"raise KeyboardInterrupt", 257, {}, {}, None)
+except KeyboardInterrupt:
+    pass
+atexit.register(lambda: Path("exit_handler_ran").touch())
+print("closing the run", end="")
+_exit_interrupted()
+"""
+
+
+def test_an_interrupted_command_exits_130_after_its_exit_handlers(tmp_path):
+    (tmp_path / "interrupted_in_an_extension.py").write_text(INTERRUPTED_IN_AN_EXTENSION)
+    done = subprocess.run(
+        [sys.executable, "-m", "interrupted_in_an_extension"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EX_INTERRUPTED, done.stderr
+    assert done.stdout == "closing the run"
+    assert (tmp_path / "exit_handler_ran").exists()
+
+
 def test_an_actor_that_cannot_be_built_stops_the_run_naming_it_its_node_and_the_cause(
     tmp_path,
 ):

@@ -89,6 +89,11 @@ def use_compilation_cache() -> dict[str, int]:
     return counts
 
 
+#: Reads of the thread list :func:`pin_process_to_cores` makes at most: a process
+#: that keeps starting threads from unpinned ones cannot hold it up for ever.
+_PINNING_PASSES = 20
+
+
 def _thread_ids() -> list[int]:
     try:
         return [int(tid) for tid in os.listdir("/proc/self/task")]
@@ -116,21 +121,27 @@ def pin_process_to_cores(slots: Sequence[int]) -> list[int] | None:
     allowed = sorted(os.sched_getaffinity(0))
     cores = sorted({allowed[slot % len(allowed)] for slot in slots})
     # Linux applies sched_setaffinity to one thread; Ray's threads already run,
-    # so each is pinned (new threads, e.g. XLA's pool, inherit the mask).
-    for tid in _thread_ids():
-        with contextlib.suppress(OSError):  # the thread exited meanwhile
-            os.sched_setaffinity(tid, cores)
+    # so each is pinned, and a thread started later inherits its creator's
+    # mask. One started by a thread not yet pinned, after the list was read,
+    # would keep every core: the list is read again until no thread is outside.
+    for _ in range(_PINNING_PASSES):
+        outside = _threads_outside(set(cores))
+        if not outside:
+            break
+        for tid in outside:
+            with contextlib.suppress(OSError):  # the thread exited meanwhile
+                os.sched_setaffinity(tid, cores)
     return cores
 
 
-def _threads_within(cores: set[int]) -> bool:
+def _threads_outside(cores: set[int]) -> list[int]:
+    """This process's threads allowed to run on a core outside ``cores``."""
+    outside = []
     for tid in _thread_ids():
-        try:
+        with contextlib.suppress(OSError):  # the thread exited meanwhile
             if not os.sched_getaffinity(tid) <= cores:
-                return False
-        except OSError:
-            pass
-    return True
+                outside.append(tid)
+    return outside
 
 
 class ActorBuildError(RuntimeError):
@@ -266,7 +277,7 @@ class EstimatorActor:
             num_tasks=int(self._worker.num_tasks),
             steps_per_estimate=int(self._worker.steps_per_estimate),
             allowed_cores=allowed,
-            threads_pinned=self._pinned is not None and _threads_within(set(self._pinned)),
+            threads_pinned=self._pinned is not None and not _threads_outside(set(self._pinned)),
             jax_local_device_count=jax.local_device_count(),
             compilation_cache_dir=jax.config.jax_compilation_cache_dir,
             niceness=os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
