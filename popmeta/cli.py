@@ -576,7 +576,10 @@ def _exit_interrupted() -> NoReturn:
     process then ends through ``os._exit``, not ``sys.exit``: CPython ends a
     process by SIGINT instead of with its exit status once a KeyboardInterrupt
     has left code that an extension ran through ``PyRun_String`` (Ray's
-    ``_raylet`` does), as a Ctrl-C while Ray starts can.
+    ``_raylet`` does), as a Ctrl-C while Ray starts can. Python offers no
+    public way to run the exit handlers short of ``sys.exit``, hence
+    ``atexit._run_exitfuncs``; no thread of the run is left to wait for, as
+    the run closed its own.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     atexit._run_exitfuncs()

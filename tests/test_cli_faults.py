@@ -173,11 +173,12 @@ import atexit, ctypes, sys
 from pathlib import Path
 from popmeta.cli import _exit_interrupted
 
+PY_FILE_INPUT = 257  # Include/compile.h: source run as a module's statements
 run = ctypes.pythonapi.PyRun_StringFlags
 run.restype = ctypes.py_object
 run.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object, ctypes.c_void_p]
 try:
-    run(b"raise KeyboardInterrupt", 257, {}, {}, None)
+    run(b"raise KeyboardInterrupt", PY_FILE_INPUT, {}, {}, None)
 except KeyboardInterrupt:
     pass
 atexit.register(lambda: Path("exit_handler_ran").touch())
