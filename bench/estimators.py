@@ -19,9 +19,15 @@ for the bfloat16 configurations).
 ``--compare-with DIR`` names another checkout of popmeta (e.g. ``git worktree
 add /tmp/before <commit>``): each configuration then runs alternately from
 that tree and from this one, ``--repeats`` times each, and the ratio printed
-is of the two medians measured side by side in this run. That is the only
-kind of ratio this script prints; docs/performance.md says how its comparison
-with learned_optimization was made.
+is of the two medians measured side by side in this run.
+
+``--peer DIR`` names a learned_optimization checkout instead (the folder
+holding its ``learned_optimization`` package) and ``--peer-python`` the
+interpreter of its environment: (a) to (d) then run alternately in
+learned_optimization (``bench/learned_optimization_peer.py``, its
+``SingleMachineGradientLearner`` on the same work) and in this tree, and the
+ratio is again of two medians measured side by side in this run. Those are
+the only ratios this script prints; docs/performance.md has what they read.
 """
 
 from __future__ import annotations
@@ -228,6 +234,59 @@ def host_devices_per_process() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+PEER_SCRIPT = Path(__file__).with_name("learned_optimization_peer.py")
+
+
+def peer_config(name: str) -> str:
+    """learned_optimization's namesake of configuration ``name``: its base, of (a) to (d)."""
+    base = name.removesuffix(SPLIT)
+    if base not in ("a", "b", "c", "d"):
+        raise SystemExit(
+            f"--configs: ({name}) has no learned_optimization namesake; --peer runs a, b, c "
+            f"and d (each also with {SPLIT} on popmeta's side)"
+        )
+    return base
+
+
+def popmeta_xla_flags() -> str:
+    """The ``XLA_FLAGS`` a process of this tree runs with once it imports popmeta.
+
+    Asked of a subprocess: importing popmeta here would put this tree's flags
+    into every child's environment.
+    """
+    command = [sys.executable, "-c", "import os, popmeta; print(os.environ.get('XLA_FLAGS', ''))"]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def run_peer(
+    name: str,
+    seconds: float,
+    peer: Path,
+    python: str,
+    data: str,
+    num_tasks: int,
+    xla_flags: str | None = None,
+) -> dict:
+    """learned_optimization's side of configuration ``name``, in the peer's interpreter.
+
+    ``xla_flags``, if given, replaces the environment's ``XLA_FLAGS`` in that process.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(peer), env.get("PYTHONPATH")]))
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    command = [python, str(PEER_SCRIPT), "--one", peer_config(name), "--data", data]
+    proc = subprocess.run(
+        [*command, "--seconds", str(seconds), "--tasks", str(num_tasks)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"learned_optimization's ({name}) from {peer} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _run_config(name: str, seconds: float, tree: Path | None, num_tasks: int = NUM_TASKS) -> dict:
     """One configuration in a fresh interpreter, importing popmeta from ``tree`` if given."""
     env = dict(os.environ)
@@ -261,14 +320,55 @@ def main() -> None:
     parser.add_argument(
         "--compare-with", type=Path, help="another popmeta checkout to run side by side"
     )
-    parser.add_argument("--repeats", type=int, default=2, help="runs per tree with --compare-with")
+    parser.add_argument(
+        "--peer", type=Path, help="a learned_optimization checkout to run side by side"
+    )
+    parser.add_argument(
+        "--peer-python", default=sys.executable, help="the interpreter of --peer's environment"
+    )
+    parser.add_argument(
+        "--peer-data",
+        choices=("host", "device"),
+        default="host",
+        help="(c)'s batches in learned_optimization: its host iterators, or sampled on device",
+    )
+    parser.add_argument(
+        "--peer-xla-flags",
+        choices=("its-own", "popmeta"),
+        default="its-own",
+        help="learned_optimization with the environment's XLA_FLAGS, or with popmeta's",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs per side with --compare-with or --peer"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.seconds, args.tasks)))
         return
+    if args.compare_with is not None and args.peer is not None:
+        raise SystemExit("--compare-with and --peer: give one of them")
     if args.compare_with is not None and not (args.compare_with / "popmeta").is_dir():
         raise SystemExit(f"--compare-with {args.compare_with}: no popmeta package in it")
+    if args.peer is not None:
+        if not (args.peer / "learned_optimization").is_dir():
+            raise SystemExit(f"--peer {args.peer}: no learned_optimization package in it")
+        for name in args.configs.split(","):
+            peer_config(name)
+    peer_flags = popmeta_xla_flags() if args.peer_xla_flags == "popmeta" else None
+
+    def run_other(name: str) -> dict:
+        if args.peer is not None:
+            return run_peer(
+                name,
+                args.seconds,
+                args.peer,
+                args.peer_python,
+                args.peer_data,
+                args.tasks,
+                peer_flags,
+            )
+        return _run_config(name, args.seconds, args.compare_with, args.tasks)
 
     import jax
 
@@ -278,20 +378,22 @@ def main() -> None:
         f"{peaks['float32']:.1f} GFLOP/s, bfloat16 (float32 sums) {peaks['bfloat16']:.1f} GFLOP/s"
     )
     header = f"{'config':<72} {'inner-steps/s':>13} {'peak RSS MB':>11} {'XLA temp MB':>11} {'GFLOP/s':>8} {'of peak':>7}"
-    if args.compare_with is not None:
+    if args.peer is not None:
+        header += f" {'learned_opt.':>13} {'ratio':>6}"
+    elif args.compare_with is not None:
         header += f" {'other tree':>13} {'ratio':>6}"
     print(header)
     flags_seen: dict[tuple[str, str], list[str]] = {}  # (tree, XLA_FLAGS) -> configurations
     for name in args.configs.split(","):
         description = describe(name)
-        if args.compare_with is None:
+        if args.compare_with is None and args.peer is None:
             r = _run_config(name, args.seconds, None, args.tasks)
             other = None
             flags_seen.setdefault(("this tree", r["xla_flags"]), []).append(name)
         else:
             runs, others = [], []
             for _ in range(args.repeats):
-                others.append(_run_config(name, args.seconds, args.compare_with, args.tasks))
+                others.append(run_other(name))
                 runs.append(_run_config(name, args.seconds, None, args.tasks))
             r = runs[0] | {
                 "inner_steps_per_s": statistics.median(x["inner_steps_per_s"] for x in runs),
@@ -299,7 +401,8 @@ def main() -> None:
             }
             other = statistics.median(x["inner_steps_per_s"] for x in others)
             flags_seen.setdefault(("this tree", runs[0]["xla_flags"]), []).append(name)
-            flags_seen.setdefault(("the other tree", others[0]["xla_flags"]), []).append(name)
+            other_side = "the other tree" if args.peer is None else "learned_optimization"
+            flags_seen.setdefault((other_side, others[0]["xla_flags"]), []).append(name)
         flops = r["flops_per_inner_step"]
         achieved = None if flops is None else r["inner_steps_per_s"] * flops / 1e9
         gflops = "-" if achieved is None else f"{achieved:.1f}"

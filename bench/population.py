@@ -16,6 +16,11 @@ Run: ``python bench/population.py [--seconds 8]``
 2. Weak scaling: 2 actors against 1 on this 2-core machine, cores pinned; for
    (c), the matmul GFLOP/s the actors achieve together and their share of
    this machine's float32 matmul peak (as ``bench/estimators.py`` counts them).
+   With ``--peer DIR`` (a learned_optimization checkout; ``--peer-python``
+   its environment's interpreter), learned_optimization's single process runs
+   the same work before the 1-actor run and after the 2-actor run
+   (``bench/learned_optimization_peer.py``), and the row adds the median of
+   those two and the 2 actors' ratio to it.
 3. The learner's capacity: updates/s and estimates/s it absorbs for theta of
    1e3, 1e5 and 1e6 floats when estimates arrive instantly (aggregation, the
    jitted donating Adam step, the host copy of theta and its one ``ray.put``).
@@ -34,10 +39,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -65,6 +72,14 @@ from popmeta.population.ray_runtime import start_ray
 WORK = {
     "c": [
         "task.kind=image_mlp_digits",
+        "learned_optimizer.kind=mlp",
+        "estimator.num_tasks=8",
+        "estimator.trunc_length=10",
+        "truncation.length=50",
+        "estimator.random_initial_iteration_offset=50",
+    ],
+    "b": [
+        "task.kind=fixed_dim_quadratic_data",
         "learned_optimizer.kind=mlp",
         "estimator.num_tasks=8",
         "estimator.trunc_length=10",
@@ -235,10 +250,15 @@ def engines(sec: float, k: int) -> None:
         )
 
 
-def weak_scaling(sec: float, k: int) -> None:
-    """Part 2: 2 actors against 1, async, cores pinned."""
+def weak_scaling(sec: float, k: int, peer: Callable[[str], dict] | None = None) -> None:
+    """Part 2: 2 actors against 1, async, cores pinned; beside learned_optimization's if ``peer``."""
     rows = [
         ("(c) PES + MLPLOpt, digits MLP, async", "c", []),
+        (
+            f"(b) PES + MLPLOpt, quadratic, async, {k} trunc/call",
+            "b",
+            [f"estimator.truncations_per_call={k}"],
+        ),
         (
             f"(a) PES + LearnableSGDM, quadratic, async, {k} trunc/call",
             "a",
@@ -250,10 +270,12 @@ def weak_scaling(sec: float, k: int) -> None:
     peak = matmul_peak_gflops()
     print("\n2. weak scaling on this 2-core machine, Ray engine, cores pinned (inner-steps/s)")
     print(f"   float32 matmul peak (1024x1024): {peak:.1f} GFLOP/s")
-    print(
-        f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6} {'GFLOP/s':>8} {'of peak':>7}"
-    )
+    header = f"   {'work':<58} {'1 actor':>10} {'2 actors':>10} {'ratio':>6} {'GFLOP/s':>8} {'of peak':>7}"
+    print(header + (f" {'learned_opt.':>13} {'2 actors / it':>13}" if peer else ""))
     for label, work, extra in rows:
+        # learned_optimization updates theta once per truncation in every row;
+        # the truncations per call of (b) and (a) batch popmeta's calls and updates.
+        peer_rates = [] if peer is None else [peer(work)["inner_steps_per_s"]]
         rates = []
         for n in (1, 2):
             cfg = _config(
@@ -264,13 +286,19 @@ def weak_scaling(sec: float, k: int) -> None:
                 f"population.batch_size={n}",
             )
             rates.append(inner_steps_per_s(cfg, RayPopulation, sec)[0])
+        if peer is not None:
+            peer_rates.append(peer(work)["inner_steps_per_s"])
         flops = flops_per_inner_step(work, build_config(work)[0])
         achieved = "-" if flops is None else f"{rates[1] * flops / 1e9:.1f}"
         share = "-" if flops is None else f"{100 * rates[1] * flops / 1e9 / peak:.0f}%"
-        print(
+        line = (
             f"   {label:<62} {rates[0]:>10,.0f} {rates[1]:>10,.0f} {rates[1] / rates[0]:>5.2f}x "
             f"{achieved:>8} {share:>7}"
         )
+        if peer_rates:
+            other = statistics.median(peer_rates)
+            line += f" {other:>13,.0f} {rates[1] / other:>12.2f}x"
+        print(line, flush=True)
 
 
 def capacity(sec: float) -> None:
@@ -350,8 +378,24 @@ def main() -> None:
     parser.add_argument("--truncations-per-call", type=int, default=64)
     parser.add_argument("--parts", default="1,2,3,4", help="which of the parts above to run")
     parser.add_argument("--burners", type=int, default=0, help="busy processes beside part 4")
+    parser.add_argument("--peer", type=Path, help="a learned_optimization checkout, for part 2")
+    parser.add_argument(
+        "--peer-python", default=sys.executable, help="the interpreter of --peer's environment"
+    )
+    parser.add_argument("--peer-data", choices=("host", "device"), default="host")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    peer = None
+    if args.peer is not None:
+        if not (args.peer / "learned_optimization").is_dir():
+            raise SystemExit(f"--peer {args.peer}: no learned_optimization package in it")
+        from estimators import NUM_TASKS, run_peer
+
+        def peer(work: str) -> dict:
+            return run_peer(
+                work, args.seconds, args.peer, args.peer_python, args.peer_data, NUM_TASKS
+            )
+
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     with (
         tempfile.TemporaryDirectory(prefix="pm-bench-") as tmp,
@@ -360,7 +404,7 @@ def main() -> None:
         if "1" in parts:
             engines(args.seconds, args.truncations_per_call)
         if "2" in parts:
-            weak_scaling(args.seconds, args.truncations_per_call)
+            weak_scaling(args.seconds, args.truncations_per_call, peer)
         if "3" in parts:
             capacity(args.seconds)
         if "4" in parts:

@@ -1,4 +1,5 @@
-"""bench/estimators.py: a ``-split`` configuration is its base configuration, tasks split."""
+"""bench/estimators.py: a ``-split`` configuration is its base configuration, tasks split;
+``--peer`` runs only configurations learned_optimization has, from a folder that holds it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from estimators import CONFIGS, SPLIT, describe, run_one  # noqa: E402
+from estimators import CONFIGS, SPLIT, describe, main, peer_config, run_one  # noqa: E402
 
 
 def test_a_split_configuration_runs_its_base_configurations_work():
@@ -24,3 +25,22 @@ def test_a_split_configuration_runs_its_base_configurations_work():
     assert describe("d" + SPLIT) == CONFIGS["d"] + ", tasks split over CPU devices"
     with pytest.raises(SystemExit, match="unknown configuration 'z-split'"):
         describe("z-split")
+
+
+def test_the_peer_runs_the_base_of_a_through_d_from_a_folder_holding_learned_optimization(
+    tmp_path, monkeypatch
+):
+    assert [peer_config(name) for name in ("a", "b", "c-split", "d")] == ["a", "b", "c", "d"]
+    with pytest.raises(SystemExit, match=r"\(c-bf16\) has no learned_optimization namesake"):
+        peer_config("c-bf16")
+    argv = ["estimators.py", "--peer", str(tmp_path), "--configs", "c"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit, match=f"--peer {tmp_path}: no learned_optimization package"):
+        main()
+    (tmp_path / "learned_optimization").mkdir()
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "e"])
+    with pytest.raises(SystemExit, match=r"\(e\) has no learned_optimization namesake"):
+        main()
+    monkeypatch.setattr(sys, "argv", [*argv, "--compare-with", str(tmp_path)])
+    with pytest.raises(SystemExit, match="give one of them"):
+        main()

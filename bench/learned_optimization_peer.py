@@ -1,0 +1,195 @@
+"""learned_optimization's side of ``bench/estimators.py --peer``: the same four configurations.
+
+Runs inside the peer's interpreter (its own environment, with haiku, flax and
+gin installed beside the same jax and optax as popmeta's), with a
+learned_optimization checkout on ``PYTHONPATH``; it never imports popmeta.
+``python bench/learned_optimization_peer.py --one c --seconds 8`` prints one
+JSON line, as ``bench/estimators.py --one`` does.
+
+Each configuration is built from learned_optimization's own classes with the
+arguments popmeta's ``bench/estimators.py`` gives its namesakes: 8 tasks,
+``ConstantTruncationSchedule(50)``, ``random_initial_iteration_offset`` 50
+(0 for FullES), PES over truncations of 10 steps with std 0.01 (FullES over
+the whole 50), ``MLPLOpt()`` or ``LearnableSGDM()`` at their defaults, outer
+Adam at 1e-3, all driven by ``SingleMachineGradientLearner.update``. The
+quadratic is ``FixedDimQuadraticFamilyData(10)``. (c)'s task is the shape of
+learned_optimization's ``ImageMLP_FashionMnist8_Relu32`` (a Haiku MLP 64-32-10
+with softmax cross-entropy, batch 128) on scikit-learn's 8x8 digits, because
+its own dataset comes from TensorFlow Datasets. Its batches reach the step
+the way learned_optimization's tasks deliver them (``--data host``: a Python
+iterator of numpy batches, drawn by the truncated step for every task and
+step), or sampled on the device from the loss's key as popmeta's image tasks
+do (``--data device``), which spares learned_optimization its host pipeline.
+
+Inner steps are counted as popmeta counts them: every task, antithetic member
+and step of the truncation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+CONFIGS = ("a", "b", "c", "d")
+NUM_TASKS = 8
+EPISODE_LENGTH = 50
+TRUNCATION_LENGTH = 10
+IMAGE_BATCH = 128
+
+
+def _digits():
+    """scikit-learn's 8x8 digits as float32 ``[N, 8, 8, 1]`` in [0, 1] and int32 labels."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return (np.asarray(digits.images, np.float32) / 16.0)[..., None], np.asarray(
+        digits.target, np.int32
+    )
+
+
+def _image_task(data: str):
+    """A 64-32-10 Haiku MLP on the digits, fed from the host or sampled from the loss's key."""
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from learned_optimization.tasks import base
+    from learned_optimization.tasks.datasets import base as datasets_base
+
+    images, labels = _digits()
+
+    def forward(image):
+        return hk.nets.MLP([32, 10])(jnp.reshape(image, [image.shape[0], -1]))
+
+    network = hk.without_apply_rng(hk.transform(forward))
+
+    def host_batches(seed: int):
+        rng = np.random.default_rng(seed)
+        while True:
+            index = rng.integers(0, len(labels), IMAGE_BATCH)
+            yield {"image": images[index], "label": labels[index]}
+
+    device_images, device_labels = jnp.asarray(images), jnp.asarray(labels)
+
+    class DigitsMLP(base.Task):
+        datasets = (
+            datasets_base.Datasets(*(host_batches(seed) for seed in range(4)))
+            if data == "host"
+            else None
+        )
+
+        def init(self, key):
+            return network.init(key, images[:IMAGE_BATCH])
+
+        def loss(self, params, key, batch):
+            if data == "device":
+                index = jax.random.randint(key, (IMAGE_BATCH,), 0, len(labels))
+                batch = {"image": device_images[index], "label": device_labels[index]}
+            logits = network.apply(params, batch["image"])
+            one_hot = jax.nn.one_hot(batch["label"], 10)
+            return jnp.mean(base.softmax_cross_entropy(logits=logits, labels=one_hot))
+
+        def normalizer(self, loss):
+            top = 1.5 * np.log(10.0)
+            return jnp.nan_to_num(jnp.clip(loss, 0, top), nan=top, posinf=top, neginf=top)
+
+    return DigitsMLP()
+
+
+def build_learner(name: str, data: str, num_tasks: int = NUM_TASKS):
+    """learned_optimization's learner for configuration ``name``, and its inner steps per update."""
+    from learned_optimization.learned_optimizers import base as lopt_base
+    from learned_optimization.learned_optimizers import mlp_lopt
+    from learned_optimization.optimizers import optax_opts
+    from learned_optimization.outer_trainers import (
+        full_es,
+        gradient_learner,
+        lopt_truncated_step,
+        truncated_pes,
+        truncation_schedule,
+    )
+    from learned_optimization.tasks import base as tasks_base
+    from learned_optimization.tasks import quadratics
+
+    lopt = lopt_base.LearnableSGDM() if name in ("a", "d") else mlp_lopt.MLPLOpt()
+    if name == "c":
+        family = tasks_base.single_task_to_family(_image_task(data))
+    else:
+        family = quadratics.FixedDimQuadraticFamilyData(10)
+    # FullES owns the episode's length and refuses a step with a finite schedule of its own.
+    step = lopt_truncated_step.VectorizedLOptTruncatedStep(
+        family,
+        lopt,
+        truncation_schedule.NeverEndingTruncationSchedule()
+        if name == "d"
+        else truncation_schedule.ConstantTruncationSchedule(EPISODE_LENGTH),
+        num_tasks=num_tasks,
+        random_initial_iteration_offset=0 if name == "d" else EPISODE_LENGTH,
+    )
+    if name == "d":
+        estimator = full_es.FullES(
+            step, truncation_schedule.ConstantTruncationSchedule(EPISODE_LENGTH), std=0.01
+        )
+        length = EPISODE_LENGTH
+    else:
+        estimator = truncated_pes.TruncatedPES(step, trunc_length=TRUNCATION_LENGTH, std=0.01)
+        length = TRUNCATION_LENGTH
+    learner = gradient_learner.SingleMachineGradientLearner(
+        lopt, [estimator], optax_opts.Adam(1e-3)
+    )
+    return learner, 2 * num_tasks * length
+
+
+def run_one(name: str, seconds: float, data: str, num_tasks: int = NUM_TASKS) -> dict:
+    import jax
+
+    learner, inner_steps = build_learner(name, data, num_tasks)
+    state = learner.init(jax.random.key(0))
+    root_key, call_key = jax.random.key(1), jax.jit(jax.random.fold_in)
+    count = 0
+
+    def one():
+        nonlocal state, count
+        state, _, _ = learner.update(state, call_key(root_key, count), with_metrics=False)
+        count += 1
+
+    for _ in range(3):
+        one()
+    jax.block_until_ready(state)
+    rates = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(rates) < 3:
+        round_count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 1.0:
+            one()
+            round_count += 1
+        jax.block_until_ready(state)
+        rates.append(round_count / (time.perf_counter() - start))
+    estimates_per_s = statistics.median(rates)
+    return {
+        "config": name,
+        "data": data,
+        "estimates_per_s": estimates_per_s,
+        "inner_steps_per_s": estimates_per_s * inner_steps,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", choices=CONFIGS, required=True)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--data", choices=("host", "device"), default="host")
+    parser.add_argument("--tasks", type=int, default=NUM_TASKS)
+    args = parser.parse_args()
+    print(json.dumps(run_one(args.one, args.seconds, args.data, args.tasks)))
+
+
+if __name__ == "__main__":
+    main()
