@@ -101,8 +101,74 @@ def _image_task(data: str):
     return DigitsMLP()
 
 
+def adapt_to_this_jax() -> list[str]:
+    """Lets an unmodified learned_optimization checkout import and run on today's JAX.
+
+    It was written for JAX before 0.4.30 and imports TensorFlow at the top of
+    modules that use it only for datasets, TensorBoard and ``gs://`` paths.
+    Each gap is filled only where it exists, without changing what anything
+    computes: empty TensorFlow modules when TensorFlow is not installed;
+    ``jax.ShapedArray``, ``jax.lib.xla_client.Device`` and
+    ``jax.core.cur_sublevel`` (which it reads only to ask whether it is being
+    traced) by their current equivalents; and ``tree_utils.strip_weak_type``,
+    whose attribute assignment current arrays refuse, by a conversion to the
+    same dtype. Call before importing learned_optimization.
+
+    Returns:
+      What was filled, for the record.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    import jax
+    from jax._src import core as jax_core
+
+    filled = []
+    if importlib.util.find_spec("tensorflow") is None:
+        # Flax looks for TensorFlow itself when first imported: it must find none.
+        import flax.io  # noqa: F401
+
+        tf = types.ModuleType("tensorflow")
+        tf.compat = types.ModuleType("tensorflow.compat")
+        tf.compat.v2 = types.ModuleType("tensorflow.compat.v2")
+        tf.compat.v2.enable_v2_behavior = lambda: None
+        sys.modules.update(
+            {
+                "tensorflow": tf,
+                "tensorflow.compat": tf.compat,
+                "tensorflow.compat.v2": tf.compat.v2,
+                "tensorflow_datasets": types.ModuleType("tensorflow_datasets"),
+            }
+        )
+        filled.append("tensorflow and tensorflow_datasets: empty modules")
+    if not hasattr(jax, "ShapedArray"):
+        jax.ShapedArray = jax.core.ShapedArray
+        filled.append("jax.ShapedArray = jax.core.ShapedArray")
+    if not hasattr(jax.lib, "xla_client"):
+        jax.lib.xla_client = types.SimpleNamespace(Device=jax.Device)
+        filled.append("jax.lib.xla_client.Device = jax.Device")
+    if not hasattr(jax.core, "cur_sublevel"):
+        jax.core.cur_sublevel = lambda: types.SimpleNamespace(
+            level=int(jax_core.unsafe_am_i_under_a_jit())
+        )
+        filled.append("jax.core.cur_sublevel().level: 1 under jit, else 0")
+
+    from learned_optimization import tree_utils
+
+    def strip_weak_type(pytree):
+        return jax.tree_util.tree_map(
+            lambda x: jax.lax.convert_element_type(x, jax.numpy.asarray(x).dtype), pytree
+        )
+
+    tree_utils.strip_weak_type = strip_weak_type
+    filled.append("tree_utils.strip_weak_type: a conversion to the same dtype")
+    return filled
+
+
 def build_learner(name: str, data: str, num_tasks: int = NUM_TASKS):
     """learned_optimization's learner for configuration ``name``, and its inner steps per update."""
+    adapt_to_this_jax()
     from learned_optimization.learned_optimizers import base as lopt_base
     from learned_optimization.learned_optimizers import mlp_lopt
     from learned_optimization.optimizers import optax_opts
