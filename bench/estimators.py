@@ -276,14 +276,18 @@ def run_peer(
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
     command = [python, str(PEER_SCRIPT), "--one", peer_config(name), "--data", data]
-    proc = subprocess.run(
+    return _measured_by(
         [*command, "--seconds", str(seconds), "--tasks", str(num_tasks)],
-        capture_output=True,
-        text=True,
-        env=env,
+        env,
+        f"learned_optimization's ({name}) from {peer}",
     )
+
+
+def _measured_by(command: list[str], env: dict[str, str], what: str) -> dict:
+    """The JSON line a measuring subprocess prints last; SystemExit naming ``what`` if it fails."""
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise SystemExit(f"learned_optimization's ({name}) from {peer} failed:\n{proc.stderr}")
+        raise SystemExit(f"{what} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -299,15 +303,11 @@ def _run_config(name: str, seconds: float, tree: Path | None, num_tasks: int = N
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     command = [sys.executable, __file__, "--one", name]
-    proc = subprocess.run(
+    return _measured_by(
         [*command, "--seconds", str(seconds), "--tasks", str(num_tasks)],
-        capture_output=True,
-        text=True,
-        env=env,
+        env,
+        f"config ({name}) from {tree or 'this tree'}",
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"config ({name}) from {tree or 'this tree'} failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
