@@ -23,7 +23,7 @@ is of the two medians measured side by side in this run.
 
 ``--peer DIR`` names a learned_optimization checkout instead (the folder
 holding its ``learned_optimization`` package) and ``--peer-python`` the
-interpreter of its environment: (a) to (d) then run alternately in
+interpreter of its environment: (a) to (e) then run alternately in
 learned_optimization (``bench/learned_optimization_peer.py``, its
 ``SingleMachineGradientLearner`` on the same work) and in this tree, and the
 ratio is again of two medians measured side by side in this run. Those are
@@ -238,12 +238,12 @@ PEER_SCRIPT = Path(__file__).with_name("learned_optimization_peer.py")
 
 
 def peer_config(name: str) -> str:
-    """learned_optimization's namesake of configuration ``name``: its base, of (a) to (d)."""
+    """learned_optimization's namesake of configuration ``name``: its base, of (a) to (e)."""
     base = name.removesuffix(SPLIT)
-    if base not in ("a", "b", "c", "d"):
+    if base not in ("a", "b", "c", "d", "e"):
         raise SystemExit(
-            f"--configs: ({name}) has no learned_optimization namesake; --peer runs a, b, c "
-            f"and d (each also with {SPLIT} on popmeta's side)"
+            f"--configs: ({name}) has no learned_optimization namesake; --peer runs a to e "
+            f"(each also with {SPLIT} on popmeta's side)"
         )
     return base
 

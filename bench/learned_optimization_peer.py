@@ -1,4 +1,4 @@
-"""learned_optimization's side of ``bench/estimators.py --peer``: the same four configurations.
+"""learned_optimization's side of ``bench/estimators.py --peer``: configurations (a) to (e).
 
 Runs inside the peer's interpreter (its own environment, with haiku, flax and
 gin installed beside the same jax and optax as popmeta's), with a
@@ -15,7 +15,8 @@ Adam at 1e-3, all driven by ``SingleMachineGradientLearner.update``. The
 quadratic is ``FixedDimQuadraticFamilyData(10)``. (c)'s task is the shape of
 learned_optimization's ``ImageMLP_FashionMnist8_Relu32`` (a Haiku MLP 64-32-10
 with softmax cross-entropy, batch 128) on scikit-learn's 8x8 digits, because
-its own dataset comes from TensorFlow Datasets. Its batches reach the step
+its own dataset comes from TensorFlow Datasets; (e)'s is the same with
+hidden layers 256-256 and batch 512. Their batches reach the step
 the way learned_optimization's tasks deliver them (``--data host``: a Python
 iterator of numpy batches, drawn by the truncated step for every task and
 step), or sampled on the device from the loss's key as popmeta's image tasks
@@ -34,11 +35,12 @@ import resource
 import statistics
 import time
 
-CONFIGS = ("a", "b", "c", "d")
+CONFIGS = ("a", "b", "c", "d", "e")
 NUM_TASKS = 8
 EPISODE_LENGTH = 50
 TRUNCATION_LENGTH = 10
-IMAGE_BATCH = 128
+#: (c)'s and (e)'s image MLPs: hidden widths and batch size, as popmeta's bench has them.
+IMAGE_MLPS = {"c": ((32,), 128), "e": ((256, 256), 512)}
 
 
 def _digits():
@@ -52,8 +54,8 @@ def _digits():
     )
 
 
-def _image_task(data: str):
-    """A 64-32-10 Haiku MLP on the digits, fed from the host or sampled from the loss's key."""
+def _image_task(name: str, data: str):
+    """(c)'s or (e)'s Haiku MLP on the digits, fed from the host or sampled from the loss's key."""
     import haiku as hk
     import jax
     import jax.numpy as jnp
@@ -62,16 +64,17 @@ def _image_task(data: str):
     from learned_optimization.tasks.datasets import base as datasets_base
 
     images, labels = _digits()
+    hidden, batch_size = IMAGE_MLPS[name]
 
     def forward(image):
-        return hk.nets.MLP([32, 10])(jnp.reshape(image, [image.shape[0], -1]))
+        return hk.nets.MLP([*hidden, 10])(jnp.reshape(image, [image.shape[0], -1]))
 
     network = hk.without_apply_rng(hk.transform(forward))
 
     def host_batches(seed: int):
         rng = np.random.default_rng(seed)
         while True:
-            index = rng.integers(0, len(labels), IMAGE_BATCH)
+            index = rng.integers(0, len(labels), batch_size)
             yield {"image": images[index], "label": labels[index]}
 
     device_images, device_labels = jnp.asarray(images), jnp.asarray(labels)
@@ -84,11 +87,11 @@ def _image_task(data: str):
         )
 
         def init(self, key):
-            return network.init(key, images[:IMAGE_BATCH])
+            return network.init(key, images[:batch_size])
 
         def loss(self, params, key, batch):
             if data == "device":
-                index = jax.random.randint(key, (IMAGE_BATCH,), 0, len(labels))
+                index = jax.random.randint(key, (batch_size,), 0, len(labels))
                 batch = {"image": device_images[index], "label": device_labels[index]}
             logits = network.apply(params, batch["image"])
             one_hot = jax.nn.one_hot(batch["label"], 10)
@@ -183,8 +186,8 @@ def build_learner(name: str, data: str, num_tasks: int = NUM_TASKS):
     from learned_optimization.tasks import quadratics
 
     lopt = lopt_base.LearnableSGDM() if name in ("a", "d") else mlp_lopt.MLPLOpt()
-    if name == "c":
-        family = tasks_base.single_task_to_family(_image_task(data))
+    if name in IMAGE_MLPS:
+        family = tasks_base.single_task_to_family(_image_task(name, data))
     else:
         family = quadratics.FixedDimQuadraticFamilyData(10)
     # FullES owns the episode's length and refuses a step with a finite schedule of its own.

@@ -27,10 +27,10 @@ def test_a_split_configuration_runs_its_base_configurations_work():
         describe("z-split")
 
 
-def test_the_peer_runs_the_base_of_a_through_d_from_a_folder_holding_learned_optimization(
+def test_the_peer_runs_the_base_of_a_through_e_from_a_folder_holding_learned_optimization(
     tmp_path, monkeypatch
 ):
-    assert [peer_config(name) for name in ("a", "b", "c-split", "d")] == ["a", "b", "c", "d"]
+    assert [peer_config(n) for n in ("a", "b", "c-split", "d", "e")] == ["a", "b", "c", "d", "e"]
     with pytest.raises(SystemExit, match=r"\(c-bf16\) has no learned_optimization namesake"):
         peer_config("c-bf16")
     argv = ["estimators.py", "--peer", str(tmp_path), "--configs", "c"]
@@ -38,8 +38,8 @@ def test_the_peer_runs_the_base_of_a_through_d_from_a_folder_holding_learned_opt
     with pytest.raises(SystemExit, match=f"--peer {tmp_path}: no learned_optimization package"):
         main()
     (tmp_path / "learned_optimization").mkdir()
-    monkeypatch.setattr(sys, "argv", [*argv[:-1], "e"])
-    with pytest.raises(SystemExit, match=r"\(e\) has no learned_optimization namesake"):
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "e-bf16"])
+    with pytest.raises(SystemExit, match=r"\(e-bf16\) has no learned_optimization namesake"):
         main()
     monkeypatch.setattr(sys, "argv", [*argv, "--compare-with", str(tmp_path)])
     with pytest.raises(SystemExit, match="give one of them"):
