@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from popmeta.accelerator_memory import allocate_as_needed
-from popmeta.config import Config, ConfigError, config_to_yaml, load_config
+from popmeta.config import Config, ConfigError, PopulationConfig, config_to_yaml, load_config
 
 __all__ = ["EXIT_STATUSES", "console", "main"]
 
@@ -476,8 +476,27 @@ def _command(args: argparse.Namespace) -> int:
         return _fail(str(err), EX_USAGE)
     if args.command == "validate":
         print(config_to_yaml(config), end="")
+        _warn_of_stale_estimates(config.population)
         return 0
     return _train(config, args.from_checkpoint)
+
+
+def _warn_of_stale_estimates(population: PopulationConfig) -> None:
+    """What the Ray population would warn of when it starts, where its actors are counted in the config."""
+    from popmeta.population.staleness import staleness_warning
+
+    if population.engine != "ray" or population.mode != "async":
+        return
+    if population.one_actor_per_node_with is not None:  # counted only once the cluster is seen
+        return
+    warning = staleness_warning(
+        population.num_actors,
+        population.calls_in_flight,
+        population.batch_size,
+        population.max_staleness,
+    )
+    if warning is not None:
+        print(f"popmeta: warning: {warning}", file=sys.stderr)
 
 
 def _unexpected(err: Exception) -> int:

@@ -35,11 +35,7 @@ from popmeta.learner.learner import Learner
 from popmeta.population import ray_population as ray_population_module
 from popmeta.population.engines import describe_placement
 from popmeta.population.lifecycle import ActorStartError, PopulationLostError
-from popmeta.population.ray_population import (
-    RayPopulation,
-    arrival_staleness,
-    staleness_warning,
-)
+from popmeta.population.ray_population import RayPopulation
 from popmeta.population.ray_runtime import start_ray
 from popmeta.population.supervisor import ActorSupervisor
 from popmeta.run_loop import train
@@ -173,22 +169,6 @@ def test_cpu_actors_on_one_node_are_pinned_to_distinct_cores(sync_runs):
 
 
 # ---------------------------------------------------------------------- async
-
-
-def test_the_staleness_of_async_arrivals_is_calls_in_flight_times_actors_per_batch():
-    assert arrival_staleness(num_ranks=2, calls_in_flight=2, batch_size=1) == 4
-    assert arrival_staleness(num_ranks=3, calls_in_flight=1, batch_size=2) == 1.5
-    # popmeta's defaults with mode: async (2 actors, 2 calls in flight, batch 1,
-    # max_staleness 2): about 40% of the estimates were dropped
-    # (docs/population.md), so the population warns and says what to change.
-    warning = staleness_warning(2, 2, 1, 2)
-    assert warning is not None
-    assert "about 4 learner versions" in warning
-    assert "raise batch_size to 2 or raise max_staleness to 4 or lower calls_in_flight" in warning
-    # Within the bound: nothing to say (the cluster configs' batch_size 2 with two actors).
-    assert staleness_warning(2, 2, 2, 2) is None
-    # With max_staleness 0 no batch size is enough.
-    assert "batch_size" not in staleness_warning(3, 1, 3, 0).split("To use them")[1]
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
