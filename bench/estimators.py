@@ -43,6 +43,16 @@ import sys
 import time
 from pathlib import Path
 
+from work import (
+    EPISODE_LENGTH,
+    IMAGE_MLPS,
+    NAMESAKES,
+    NUM_TASKS,
+    STD,
+    TRUNCATION_LENGTH,
+    median_rate,
+)
+
 CONFIGS = {
     "a": "PES + LearnableSGDM, quadratic(10)",
     "b": "PES + MLPLOpt, quadratic(10)",
@@ -62,14 +72,10 @@ def _image_task(name: str):
     from popmeta.core.tasks import load_digits_8x8
 
     task_dtype = "bfloat16" if name.endswith("-bf16") else "float32"
-    hidden, batch = ((32,), 128) if name.startswith("c") else ((256, 256), 512)
+    hidden, batch = IMAGE_MLPS[name[0]]
     return pm.ImageMLPTask.from_arrays(
         *load_digits_8x8(), hidden_sizes=hidden, batch_size=batch, compute_dtype=task_dtype
     )
-
-
-#: Inner problems per estimate unless ``--tasks`` says otherwise: the CPU figures' population.
-NUM_TASKS = 8
 
 
 def build_config(name: str, num_tasks: int = NUM_TASKS):
@@ -85,14 +91,14 @@ def build_config(name: str, num_tasks: int = NUM_TASKS):
     step = pm.VectorizedLOptTruncatedStep(
         family,
         lopt,
-        pm.ConstantTruncationSchedule(50),
+        pm.ConstantTruncationSchedule(EPISODE_LENGTH),
         num_tasks=num_tasks,
-        random_initial_iteration_offset=0 if name == "d" else 50,
+        random_initial_iteration_offset=0 if name == "d" else EPISODE_LENGTH,
     )
     if name == "d":
-        estimator = pm.FullES(step, pm.ConstantTruncationSchedule(50), std=0.01)
+        estimator = pm.FullES(step, pm.ConstantTruncationSchedule(EPISODE_LENGTH), std=STD)
     else:
-        estimator = pm.TruncatedPES(step, trunc_length=10, std=0.01)
+        estimator = pm.TruncatedPES(step, trunc_length=TRUNCATION_LENGTH, std=STD)
     return lopt, estimator
 
 
@@ -174,18 +180,15 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     for i in range(3):
         one(i)
     jax.block_until_ready(train_state.params)
-    count, rates = 0, []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(rates) < 3:
-        round_count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < 1.0:
-            for _ in range(5):
-                one(count)
-                count += 1
-                round_count += 1
-            jax.block_until_ready(train_state.params)
-        rates.append(round_count / (time.perf_counter() - start))
-    estimates_per_s = statistics.median(rates)
+    count = itertools.count()
+
+    def five() -> int:  # then wait: at most five estimates dispatched ahead
+        for _ in range(5):
+            one(next(count))
+        jax.block_until_ready(train_state.params)
+        return 5
+
+    estimates_per_s = median_rate(five, lambda: None, seconds)
     steps_per_s = estimates_per_s * inner_steps_per_estimate(estimator)
     return {
         "config": name,
@@ -240,12 +243,34 @@ PEER_SCRIPT = Path(__file__).with_name("learned_optimization_peer.py")
 def peer_config(name: str) -> str:
     """learned_optimization's namesake of configuration ``name``: its base, of (a) to (e)."""
     base = name.removesuffix(SPLIT)
-    if base not in ("a", "b", "c", "d", "e"):
+    if base not in NAMESAKES:
         raise SystemExit(
             f"--configs: ({name}) has no learned_optimization namesake; --peer runs a to e "
             f"(each also with {SPLIT} on popmeta's side)"
         )
     return base
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--peer``, ``--peer-python`` and ``--peer-data``, for every bench that runs the peer."""
+    parser.add_argument(
+        "--peer", type=Path, help="a learned_optimization checkout to run side by side"
+    )
+    parser.add_argument(
+        "--peer-python", default=sys.executable, help="the interpreter of --peer's environment"
+    )
+    parser.add_argument(
+        "--peer-data",
+        choices=("host", "device"),
+        default="host",
+        help="(c)'s batches in learned_optimization: its host iterators, or sampled on device",
+    )
+
+
+def check_peer(peer: Path) -> None:
+    """SystemExit unless ``peer`` holds a learned_optimization package."""
+    if not (peer / "learned_optimization").is_dir():
+        raise SystemExit(f"--peer {peer}: no learned_optimization package in it")
 
 
 def popmeta_xla_flags() -> str:
@@ -320,18 +345,7 @@ def main() -> None:
     parser.add_argument(
         "--compare-with", type=Path, help="another popmeta checkout to run side by side"
     )
-    parser.add_argument(
-        "--peer", type=Path, help="a learned_optimization checkout to run side by side"
-    )
-    parser.add_argument(
-        "--peer-python", default=sys.executable, help="the interpreter of --peer's environment"
-    )
-    parser.add_argument(
-        "--peer-data",
-        choices=("host", "device"),
-        default="host",
-        help="(c)'s batches in learned_optimization: its host iterators, or sampled on device",
-    )
+    add_peer_arguments(parser)
     parser.add_argument(
         "--peer-xla-flags",
         choices=("its-own", "popmeta"),
@@ -351,8 +365,7 @@ def main() -> None:
     if args.compare_with is not None and not (args.compare_with / "popmeta").is_dir():
         raise SystemExit(f"--compare-with {args.compare_with}: no popmeta package in it")
     if args.peer is not None:
-        if not (args.peer / "learned_optimization").is_dir():
-            raise SystemExit(f"--peer {args.peer}: no learned_optimization package in it")
+        check_peer(args.peer)
         for name in args.configs.split(","):
             peer_config(name)
     peer_flags = popmeta_xla_flags() if args.peer_xla_flags == "popmeta" else None

@@ -32,15 +32,16 @@ import argparse
 import json
 import os
 import resource
-import statistics
-import time
 
-CONFIGS = ("a", "b", "c", "d", "e")
-NUM_TASKS = 8
-EPISODE_LENGTH = 50
-TRUNCATION_LENGTH = 10
-#: (c)'s and (e)'s image MLPs: hidden widths and batch size, as popmeta's bench has them.
-IMAGE_MLPS = {"c": ((32,), 128), "e": ((256, 256), 512)}
+from work import (
+    EPISODE_LENGTH,
+    IMAGE_MLPS,
+    NAMESAKES,
+    NUM_TASKS,
+    STD,
+    TRUNCATION_LENGTH,
+    median_rate,
+)
 
 
 def _digits():
@@ -202,11 +203,11 @@ def build_learner(name: str, data: str, num_tasks: int = NUM_TASKS):
     )
     if name == "d":
         estimator = full_es.FullES(
-            step, truncation_schedule.ConstantTruncationSchedule(EPISODE_LENGTH), std=0.01
+            step, truncation_schedule.ConstantTruncationSchedule(EPISODE_LENGTH), std=STD
         )
         length = EPISODE_LENGTH
     else:
-        estimator = truncated_pes.TruncatedPES(step, trunc_length=TRUNCATION_LENGTH, std=0.01)
+        estimator = truncated_pes.TruncatedPES(step, trunc_length=TRUNCATION_LENGTH, std=STD)
         length = TRUNCATION_LENGTH
     learner = gradient_learner.SingleMachineGradientLearner(
         lopt, [estimator], optax_opts.Adam(1e-3)
@@ -222,24 +223,16 @@ def run_one(name: str, seconds: float, data: str, num_tasks: int = NUM_TASKS) ->
     root_key, call_key = jax.random.key(1), jax.jit(jax.random.fold_in)
     count = 0
 
-    def one():
+    def one() -> int:
         nonlocal state, count
         state, _, _ = learner.update(state, call_key(root_key, count), with_metrics=False)
         count += 1
+        return 1
 
     for _ in range(3):
         one()
     jax.block_until_ready(state)
-    rates = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(rates) < 3:
-        round_count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < 1.0:
-            one()
-            round_count += 1
-        jax.block_until_ready(state)
-        rates.append(round_count / (time.perf_counter() - start))
-    estimates_per_s = statistics.median(rates)
+    estimates_per_s = median_rate(one, lambda: jax.block_until_ready(state), seconds)
     return {
         "config": name,
         "data": data,
@@ -252,7 +245,7 @@ def run_one(name: str, seconds: float, data: str, num_tasks: int = NUM_TASKS) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", choices=CONFIGS, required=True)
+    parser.add_argument("--one", choices=NAMESAKES, required=True)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--data", choices=("host", "device"), default="host")
     parser.add_argument("--tasks", type=int, default=NUM_TASKS)

@@ -54,6 +54,15 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import jax
 import numpy as np
 import ray
+from estimators import (
+    add_peer_arguments,
+    build_config,
+    check_peer,
+    flops_per_inner_step,
+    matmul_peak_gflops,
+    run_peer,
+)
+from work import EPISODE_LENGTH, NUM_TASKS, TRUNCATION_LENGTH
 
 from popmeta.config import load_config
 from popmeta.estimate import Estimate, aggregate
@@ -69,31 +78,22 @@ from popmeta.population.local import LocalPopulation
 from popmeta.population.ray_population import RayPopulation, theta_argument
 from popmeta.population.ray_runtime import start_ray
 
+#: Each configuration's task and learned optimizer, as bench/estimators.py builds them.
+KINDS = {
+    "c": ("image_mlp_digits", "mlp"),
+    "b": ("fixed_dim_quadratic_data", "mlp"),
+    "a": ("fixed_dim_quadratic_data", "learnable_sgdm"),
+}
+#: The PES work every configuration shares, the estimator bench's too.
+PES_WORK = [
+    f"estimator.num_tasks={NUM_TASKS}",
+    f"estimator.trunc_length={TRUNCATION_LENGTH}",
+    f"truncation.length={EPISODE_LENGTH}",
+    f"estimator.random_initial_iteration_offset={EPISODE_LENGTH}",
+]
 WORK = {
-    "c": [
-        "task.kind=image_mlp_digits",
-        "learned_optimizer.kind=mlp",
-        "estimator.num_tasks=8",
-        "estimator.trunc_length=10",
-        "truncation.length=50",
-        "estimator.random_initial_iteration_offset=50",
-    ],
-    "b": [
-        "task.kind=fixed_dim_quadratic_data",
-        "learned_optimizer.kind=mlp",
-        "estimator.num_tasks=8",
-        "estimator.trunc_length=10",
-        "truncation.length=50",
-        "estimator.random_initial_iteration_offset=50",
-    ],
-    "a": [
-        "task.kind=fixed_dim_quadratic_data",
-        "learned_optimizer.kind=learnable_sgdm",
-        "estimator.num_tasks=8",
-        "estimator.trunc_length=10",
-        "truncation.length=50",
-        "estimator.random_initial_iteration_offset=50",
-    ],
+    name: [f"task.kind={task}", f"learned_optimizer.kind={lopt}", *PES_WORK]
+    for name, (task, lopt) in KINDS.items()
 }
 
 
@@ -265,8 +265,6 @@ def weak_scaling(sec: float, k: int, peer: Callable[[str], dict] | None = None) 
             [f"estimator.truncations_per_call={k}"],
         ),
     ]
-    from estimators import build_config, flops_per_inner_step, matmul_peak_gflops
-
     peak = matmul_peak_gflops()
     print("\n2. weak scaling on this 2-core machine, Ray engine, cores pinned (inner-steps/s)")
     print(f"   float32 matmul peak (1024x1024): {peak:.1f} GFLOP/s")
@@ -378,18 +376,12 @@ def main() -> None:
     parser.add_argument("--truncations-per-call", type=int, default=64)
     parser.add_argument("--parts", default="1,2,3,4", help="which of the parts above to run")
     parser.add_argument("--burners", type=int, default=0, help="busy processes beside part 4")
-    parser.add_argument("--peer", type=Path, help="a learned_optimization checkout, for part 2")
-    parser.add_argument(
-        "--peer-python", default=sys.executable, help="the interpreter of --peer's environment"
-    )
-    parser.add_argument("--peer-data", choices=("host", "device"), default="host")
+    add_peer_arguments(parser)  # for part 2
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     peer = None
     if args.peer is not None:
-        if not (args.peer / "learned_optimization").is_dir():
-            raise SystemExit(f"--peer {args.peer}: no learned_optimization package in it")
-        from estimators import NUM_TASKS, run_peer
+        check_peer(args.peer)
 
         def peer(work: str) -> dict:
             return run_peer(
