@@ -5,7 +5,11 @@ Run: ``python bench/estimators.py [--seconds 5] [--configs a,b,c,d] [--compare-w
 (the learned optimizer's MLP, then the task's products too) on (c) and on a
 larger MLP, (e). Any configuration with ``-split`` added (``c-split``) runs
 with one CPU device per core of this process and its tasks split over them,
-as ``population.cpu_devices`` does.
+as ``population.cpu_devices`` does; with ``-fused`` added (``b-fused``) the
+estimates and the learner's steps run as the local engine's fused rounds
+(``population.updates_per_call: 16``, popmeta/population/fused.py): calls
+of 16 rounds, each call's records copied to the host as the run loop takes
+them.
 
 Each configuration runs in its own subprocess (so its peak RSS is its own):
 the estimator's jitted truncation plus the learner's jitted, donating outer
@@ -142,11 +146,11 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     from popmeta.core.estimators import make_runner
     from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
 
-    base = name.removesuffix(SPLIT)  # the same configuration, its tasks split or not
+    base = base_config(name)  # the same configuration, its tasks split or its rounds fused
     lopt, estimator = build_config(base, num_tasks)
     # A worker's runner; ``-split`` shards the tasks over the local devices, as a
     # worker does when it sees several.
-    runner = make_runner(estimator, jax.local_devices() if name.endswith(SPLIT) else None)
+    runner = make_runner(estimator, jax.local_devices() if SPLIT in name else None)
     theta = lopt.init(jax.random.key(0))
     flops_per_step = flops_per_inner_step(base, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
@@ -188,7 +192,10 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
         jax.block_until_ready(train_state.params)
         return 5
 
-    estimates_per_s = median_rate(five, lambda: None, seconds)
+    if name.endswith(FUSED):
+        estimates_per_s = fused_rate(runner, train_state, worker, seconds)
+    else:
+        estimates_per_s = median_rate(five, lambda: None, seconds)
     steps_per_s = estimates_per_s * inner_steps_per_estimate(estimator)
     return {
         "config": name,
@@ -201,6 +208,31 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
         # What XLA compiled with (``import popmeta`` may add flags: popmeta.xla_flags).
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def fused_rate(runner, train_state, worker_state, seconds: float) -> float:
+    """Estimates per second of the local engine's fused rounds, ``FUSED_ROUNDS`` per call."""
+    import jax
+    import numpy as np
+
+    from popmeta.actors.worker import FusionCarry
+    from popmeta.population.fused import placed_rounds_fn
+
+    states = (worker_state,)
+    program, replicated = placed_rounds_fn([runner], [1], FUSED_ROUNDS, states)
+    counters = (FusionCarry(None, jax.random.key(2), np.int32(-1), np.int32(0)),)
+    if replicated is not None:
+        train_state, counters = jax.device_put((train_state, counters), replicated)
+    rounds = np.int32(FUSED_ROUNDS)
+
+    def call() -> int:
+        nonlocal train_state, states, counters
+        train_state, states, counters, records = program(train_state, states, counters, rounds)
+        jax.tree_util.tree_map(np.asarray, records)  # the host's copy, as FusedRounds.run takes it
+        return FUSED_ROUNDS
+
+    call()
+    return median_rate(call, lambda: None, seconds)
 
 
 def matmul_peak_gflops(n: int = 1024, seconds: float = 2.0, dtype: str = "float32") -> float:
@@ -219,17 +251,30 @@ def matmul_peak_gflops(n: int = 1024, seconds: float = 2.0, dtype: str = "float3
 
 
 SPLIT = "-split"
+FUSED = "-fused"
+#: Rounds per call of a ``-fused`` configuration (``population.updates_per_call``).
+FUSED_ROUNDS = 16
+
+
+def base_config(name: str) -> str:
+    """The configuration of CONFIGS that ``name`` runs, its ``-split`` or ``-fused`` taken off."""
+    return name.removesuffix(FUSED).removesuffix(SPLIT)
 
 
 def describe(name: str) -> str:
-    """What configuration ``name`` (``-split`` allowed) measures; SystemExit if unknown."""
-    base = name.removesuffix(SPLIT)
-    if base not in CONFIGS:
+    """What configuration ``name`` (``-split`` or ``-fused`` allowed) measures; SystemExit if unknown."""
+    base = base_config(name)
+    if base not in CONFIGS or name not in (base, base + SPLIT, base + FUSED, base + SPLIT + FUSED):
         raise SystemExit(
             f"--configs: unknown configuration {name!r}; known: {','.join(CONFIGS)}, "
-            f"each also with {SPLIT}"
+            f"each also with {SPLIT}, {FUSED} or {SPLIT}{FUSED}"
         )
-    return CONFIGS[base] + (", tasks split over CPU devices" if name != base else "")
+    description = CONFIGS[base]
+    if SPLIT in name:
+        description += ", tasks split over CPU devices"
+    if name.endswith(FUSED):
+        description += f", {FUSED_ROUNDS} fused rounds per call"
+    return description
 
 
 def host_devices_per_process() -> int:
@@ -242,11 +287,11 @@ PEER_SCRIPT = Path(__file__).with_name("learned_optimization_peer.py")
 
 def peer_config(name: str) -> str:
     """learned_optimization's namesake of configuration ``name``: its base, of (a) to (e)."""
-    base = name.removesuffix(SPLIT)
+    base = base_config(name)
     if base not in NAMESAKES:
         raise SystemExit(
             f"--configs: ({name}) has no learned_optimization namesake; --peer runs a to e "
-            f"(each also with {SPLIT} on popmeta's side)"
+            f"(each also with {SPLIT} or {FUSED} on popmeta's side)"
         )
     return base
 
@@ -319,7 +364,7 @@ def _measured_by(command: list[str], env: dict[str, str], what: str) -> dict:
 def _run_config(name: str, seconds: float, tree: Path | None, num_tasks: int = NUM_TASKS) -> dict:
     """One configuration in a fresh interpreter, importing popmeta from ``tree`` if given."""
     env = dict(os.environ)
-    if name.endswith(SPLIT):
+    if SPLIT in name:
         # XLA reads the device count once, when JAX starts in the subprocess. Not
         # popmeta.xla_flags.with_host_devices: importing popmeta here would add this
         # tree's flags to every child's XLA_FLAGS, the other tree's too.
@@ -390,15 +435,17 @@ def main() -> None:
         f"device: {jax.devices()[0].device_kind}, dense matmul peak (1024x1024): float32 "
         f"{peaks['float32']:.1f} GFLOP/s, bfloat16 (float32 sums) {peaks['bfloat16']:.1f} GFLOP/s"
     )
-    header = f"{'config':<72} {'inner-steps/s':>13} {'peak RSS MB':>11} {'XLA temp MB':>11} {'GFLOP/s':>8} {'of peak':>7}"
+    names = args.configs.split(",")
+    labels = {name: f"({name}) {describe(name)}" for name in names}
+    width = max(map(len, labels.values()))
+    header = f"{'config':<{width}} {'inner-steps/s':>13} {'peak RSS MB':>11} {'XLA temp MB':>11} {'GFLOP/s':>8} {'of peak':>7}"
     if args.peer is not None:
         header += f" {'learned_opt.':>13} {'ratio':>6}"
     elif args.compare_with is not None:
         header += f" {'other tree':>13} {'ratio':>6}"
     print(header)
     flags_seen: dict[tuple[str, str], list[str]] = {}  # (tree, XLA_FLAGS) -> configurations
-    for name in args.configs.split(","):
-        description = describe(name)
+    for name in names:
         if args.compare_with is None and args.peer is None:
             r = _run_config(name, args.seconds, None, args.tasks)
             other = None
@@ -422,7 +469,7 @@ def main() -> None:
         peak = peaks["bfloat16" if "-bf16" in name else "float32"]
         share = "-" if achieved is None else f"{100 * achieved / peak:.0f}%"
         line = (
-            f"{'(' + name + ') ' + description:<72} {r['inner_steps_per_s']:>13,.0f} "
+            f"{labels[name]:<{width}} {r['inner_steps_per_s']:>13,.0f} "
             f"{r['peak_rss_mb']:>11.0f} {r['xla_temp_mb']:>11.2f} {gflops:>8} {share:>7}"
         )
         if other is not None:

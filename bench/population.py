@@ -29,6 +29,10 @@ Run: ``python bench/population.py [--seconds 8]``
    number it chooses, then the Ray engine against the local engine at that
    number, alternating. ``--burners N`` runs it beside N busy processes (a
    loaded machine).
+5. The local engine's fused rounds (``population.updates_per_call``, one
+   worker): inner-steps/s unfused and with 16 rounds per call, alternating,
+   on (a), (b) and (c), each fused call's records replayed as the run loop
+   replays them.
 
 Every rate is measured after compilation and warm-up, over the whole learner
 loop (gather, aggregate, update).
@@ -121,6 +125,23 @@ def inner_steps_per_s(config, population_cls, seconds: float) -> tuple[float, in
             count += len(gathered.estimates)
         elapsed = time.perf_counter() - start
         return count * population.steps_per_estimate / elapsed, population.steps_per_estimate
+    finally:
+        population.close()
+
+
+def fused_inner_steps_per_s(config, rounds: int, seconds: float) -> float:
+    """Inner steps/s of the local engine's fused rounds, ``rounds`` per call, records replayed."""
+    learner = Learner.of(learner_start(config))
+    population = LocalPopulation(config.population, WorkerSpec.of(config))
+    try:
+        fused = population.fused_rounds(learner, rounds)
+        for _ in range(2):
+            list(fused.run(rounds).rounds())
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            count += sum(len(gathered.estimates) for gathered, _ in fused.run(rounds).rounds())
+        elapsed = time.perf_counter() - start
+        return count * population.steps_per_estimate / elapsed
     finally:
         population.close()
 
@@ -370,11 +391,28 @@ def auto_sized(sec: float, folder: str, burners: int) -> None:
             )
 
 
+FUSED_ROUNDS = 16
+
+
+def fused_rounds(sec: float) -> None:
+    """Part 5: the local engine unfused against ``updates_per_call: 16``, one worker."""
+    print(f"\n5. the local engine's fused rounds, 1 worker, {FUSED_ROUNDS} rounds per call")
+    print(f"   {'work':<6} {'unfused':>12} {'fused':>12} {'ratio':>6}")
+    for work in ("a", "b", "c"):
+        config = _config(work, "population.engine=local", "population.num_actors=1")
+        unfused, fused = [], []
+        for _ in range(2):  # alternating
+            unfused.append(inner_steps_per_s(config, LocalPopulation, sec)[0])
+            fused.append(fused_inner_steps_per_s(config, FUSED_ROUNDS, sec))
+        before, after = statistics.median(unfused), statistics.median(fused)
+        print(f"   ({work}){'':<3} {before:>12,.0f} {after:>12,.0f} {after / before:>5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--truncations-per-call", type=int, default=64)
-    parser.add_argument("--parts", default="1,2,3,4", help="which of the parts above to run")
+    parser.add_argument("--parts", default="1,2,3,4,5", help="which of the parts above to run")
     parser.add_argument("--burners", type=int, default=0, help="busy processes beside part 4")
     add_peer_arguments(parser)  # for part 2
     args = parser.parse_args()
@@ -401,6 +439,8 @@ def main() -> None:
             capacity(args.seconds)
         if "4" in parts:
             auto_sized(args.seconds, tmp, args.burners)
+        if "5" in parts:
+            fused_rounds(args.seconds)
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 

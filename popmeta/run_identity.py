@@ -39,6 +39,8 @@ SAFE_TO_CHANGE = (
     "population.address",
     # The local engine and sync Ray compute the same estimates bit for bit.
     "population.engine",
+    # Fused rounds take the same steps; only the rounding may differ.
+    "population.updates_per_call",
     "population.call_timeout_s",
     "population.call_timeout_factor",
     "population.min_call_timeout_s",

@@ -17,13 +17,14 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from popmeta.actors.worker import exported_state_template
-from popmeta.config import Config, config_to_dict, module_dirs
+from popmeta.config import Config, ConfigError, config_to_dict, module_dirs
 from popmeta.evaluate import (
     BaselineCache,
     PeriodicEvaluator,
@@ -35,8 +36,8 @@ from popmeta.evaluate import (
 from popmeta.experiment import Experiment, build_experiment
 from popmeta.footprint import check_memory
 from popmeta.learner.checkpoints import checkpoint_path, list_checkpoints
-from popmeta.learner.learner import Learner
-from popmeta.population.base import Population
+from popmeta.learner.learner import Learner, Update
+from popmeta.population.base import Gathered, Population
 from popmeta.population.call_size import size_calls
 from popmeta.population.engines import (
     PopulationFactory,
@@ -44,6 +45,8 @@ from popmeta.population.engines import (
     open_population,
     prepare_driver,
 )
+from popmeta.population.fused import FusedRounds
+from popmeta.population.local import LocalPopulation
 from popmeta.progress import Progress
 from popmeta.run_checkpoints import RunCheckpoints
 from popmeta.run_dir import RunDirectory, RunWriteError
@@ -257,6 +260,7 @@ class _RunLoop:
         # Where the run is meta-tested (periodically and at the end): built once.
         self.settings = settings_of(config)
         self.meta_losses: list[float] = []
+        self._failures = 0  # rounds in a row without a step
 
     def train(
         self, population_factory: PopulationFactory | None, worker_states: dict[int, Any]
@@ -279,6 +283,7 @@ class _RunLoop:
                 config = self._size_calls(population)
             if worker_states:
                 _load_worker_states(population, worker_states, stream)
+            fused = self._fused_rounds(population)
             # The start ends where the directory becomes the run's: a signal
             # from here on stops the run with a checkpoint, never half recorded.
             self.stop.begin_training()
@@ -299,7 +304,7 @@ class _RunLoop:
                 config.train.num_steps, self.learner.version, config.train.log_every
             )
             closing.callback(progress.close)
-            interrupted = self._loop(population, summaries, evaluator, progress)
+            interrupted = self._loop(population, fused, summaries, evaluator, progress)
         losses = self.meta_losses
         window = max(1, len(losses) // 10)
         start_loss = float(np.mean(losses[:window])) if losses else float("nan")
@@ -321,23 +326,58 @@ class _RunLoop:
         )
 
     def _size_calls(self, population: Population) -> Config:
-        """Resolves ``truncations_per_call: auto`` by measurement; the run records the number."""
-        size = size_calls(population, self.learner.theta())
-        population.use_truncations_per_call(size.truncations_per_call)
-        print(size.describe(), file=self.stream)
-        self.config = self.config.with_truncations_per_call(size.truncations_per_call)
+        """Resolves ``truncations_per_call: auto`` by measurement; the run records the number.
+
+        Fused rounds take one truncation per estimate unmeasured: a fused call
+        pays the host's per-call cost once for all its rounds, which is what
+        the measurement would find.
+        """
+        if self.config.population.updates_per_call > 1:
+            size = 1
+            print(
+                "estimator.truncations_per_call: auto -> 1 (fused rounds pay the host's cost "
+                "of a call once per population.updates_per_call rounds)",
+                file=self.stream,
+            )
+        else:
+            measured = size_calls(population, self.learner.theta())
+            size = measured.truncations_per_call
+            print(measured.describe(), file=self.stream)
+        population.use_truncations_per_call(size)
+        self.config = self.config.with_truncations_per_call(size)
         self.checkpoints.config = config_to_dict(self.config)
         return self.config
+
+    def _fused_rounds(self, population: Population) -> FusedRounds | None:
+        """The local engine's fused rounds when ``population.updates_per_call`` asks for them.
+
+        Raises:
+          ConfigError: the population is not the local engine's, or a worker
+            cannot run fused (its task pulls host batches).
+        """
+        max_rounds = self.config.population.updates_per_call
+        if max_rounds == 1:
+            return None
+        if not isinstance(population, LocalPopulation):
+            raise ConfigError(
+                f"population.updates_per_call ({max_rounds}) fuses the local engine's rounds, "
+                f"and this run's population is a {type(population).__name__}"
+            )
+        try:
+            return population.fused_rounds(self.learner, max_rounds)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     def _loop(
         self,
         population: Population,
+        fused: FusedRounds | None,
         summaries: Summaries,
         evaluator: PeriodicEvaluator | None,
         progress: Progress,
     ) -> bool:
         """The loop, and the checkpoint it ends with; returns whether a signal stopped it."""
-        learner, tcfg, stop = self.learner, self.config.train, self.stop
+        learner, stop = self.learner, self.stop
         stats = RoundStats(
             population.steps_per_estimate,
             self.config.estimator.truncations_per_call,
@@ -346,30 +386,24 @@ class _RunLoop:
         )
         interrupted = False
         failure: BaseException | None = None
-        failures = 0
         try:
-            while learner.version < tcfg.num_steps and stop.received is None:
-                gathered = population.gather(learner.theta(), learner.version)
-                update_start = time.perf_counter()
-                update = learner.update(gathered.estimates)
-                update_seconds = time.perf_counter() - update_start
-                agg = update.aggregate
-                stats.add_round(gathered, agg)
+            for gathered, update, update_seconds, step in self._rounds(population, fused):
+                stats.add_round(gathered, update.aggregate)
                 if update.norms is None:
-                    failures += 1
-                    log.warning(
-                        "step %d: no usable estimate (%d non-finite); theta unchanged",
-                        learner.version,
-                        agg.num_rejected_nonfinite,
-                    )
-                    if failures >= MAX_FAILED_ROUNDS:
-                        stats.write(summaries, learner.version, population.num_live)
-                        raise DivergedError(_diverged(failures, learner.version, self.run))
+                    self._failed_round(step, update, stats, summaries, population)
                     continue
-                failures = 0
+                self._failures = 0
                 stats.add_update(update_seconds, update.norms)
-                self.meta_losses.append(agg.mean_loss)
-                self._after_step(population, summaries, evaluator, stats, progress, agg.mean_loss)
+                self.meta_losses.append(update.aggregate.mean_loss)
+                self._after_step(
+                    step,
+                    population,
+                    summaries,
+                    evaluator,
+                    stats,
+                    progress,
+                    update.aggregate.mean_loss,
+                )
         except KeyboardInterrupt:
             interrupted = True
         except BaseException as err:
@@ -393,8 +427,59 @@ class _RunLoop:
                 )
         return interrupted
 
+    def _rounds(
+        self, population: Population, fused: FusedRounds | None
+    ) -> Iterator[tuple[Gathered, Update, float, int]]:
+        """Each round until the last step or a stop: its estimates, the update, its time, the step after it.
+
+        With ``fused`` rounds, those of one fused call at a time
+        (:mod:`popmeta.population.fused`), which ends where a summary, a
+        checkpoint or an evaluation is due; its update times read 0, as the
+        update runs inside the call and is timed with the estimates.
+        """
+        learner, num_steps, stop = self.learner, self.config.train.num_steps, self.stop
+        if fused is None:
+            while learner.version < num_steps and stop.received is None:
+                gathered = population.gather(learner.theta(), learner.version)
+                start = time.perf_counter()
+                update = learner.update(gathered.estimates)
+                yield gathered, update, time.perf_counter() - start, learner.version
+            return
+        while learner.version < num_steps and stop.received is None:
+            call = fused.run(self._rounds_until_due(learner.version, fused.max_rounds))
+            for gathered, update in call.rounds():
+                step = gathered.estimates[0].version + (update.norms is not None)
+                yield gathered, update, 0.0, step
+
+    def _rounds_until_due(self, step: int, max_rounds: int) -> int:
+        """Rounds from ``step`` to the next summary, checkpoint, evaluation or the end, at most ``max_rounds``."""
+        tcfg = self.config.train
+        periods = [tcfg.summary_every, tcfg.checkpoint_every, self.config.eval.every]
+        due = [period - step % period for period in periods if period]
+        return min(max_rounds, tcfg.num_steps - step, *due)
+
+    def _failed_round(
+        self,
+        step: int,
+        update: Update,
+        stats: RoundStats,
+        summaries: Summaries,
+        population: Population,
+    ) -> None:
+        """A round without a step: warned of; the run stops after ``MAX_FAILED_ROUNDS`` in a row."""
+        self._failures += 1
+        log.warning(
+            "step %d: no usable estimate (%d non-finite); theta unchanged",
+            step,
+            update.aggregate.num_rejected_nonfinite,
+        )
+        if self._failures >= MAX_FAILED_ROUNDS:
+            stats.write(summaries, step, population.num_live)
+            raise DivergedError(_diverged(self._failures, step, self.run))
+
     def _after_step(
         self,
+        step: int,
         population: Population,
         summaries: Summaries,
         evaluator: PeriodicEvaluator | None,
@@ -402,7 +487,7 @@ class _RunLoop:
         progress: Progress,
         meta_loss: float,
     ) -> None:
-        step, tcfg = self.learner.version, self.config.train
+        tcfg = self.config.train
         if step % tcfg.summary_every == 0 or step == tcfg.num_steps:
             stats.write(summaries, step, population.num_live)
             if theta_values := scalar_leaves(self.learner.theta(), "theta"):

@@ -1,4 +1,5 @@
-"""bench/estimators.py: a ``-split`` configuration is its base configuration, tasks split;
+"""bench/estimators.py: a ``-split`` configuration is its base configuration, tasks split, a
+``-fused`` one its base configuration in fused rounds;
 ``--peer`` runs only configurations learned_optimization has, from a folder that holds it."""
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from estimators import CONFIGS, SPLIT, describe, main, peer_config, run_one  # noqa: E402
+from estimators import (  # noqa: E402
+    CONFIGS,
+    FUSED,
+    FUSED_ROUNDS,
+    SPLIT,
+    describe,
+    main,
+    peer_config,
+    run_one,
+)
 
 
 def test_a_split_configuration_runs_its_base_configurations_work():
@@ -27,10 +37,21 @@ def test_a_split_configuration_runs_its_base_configurations_work():
         describe("z-split")
 
 
+def test_a_fused_configuration_runs_its_base_configurations_work_in_fused_rounds():
+    fused = run_one("d" + FUSED, 0.1, num_tasks=2)
+    assert fused["inner_steps_per_s"] / fused["estimates_per_s"] == pytest.approx(2 * 2 * 50)
+    assert describe("c" + SPLIT + FUSED) == (
+        CONFIGS["c"] + f", tasks split over CPU devices, {FUSED_ROUNDS} fused rounds per call"
+    )
+    with pytest.raises(SystemExit, match="unknown configuration 'c-fused-split'"):
+        describe("c" + FUSED + SPLIT)
+
+
 def test_the_peer_runs_the_base_of_a_through_e_from_a_folder_holding_learned_optimization(
     tmp_path, monkeypatch
 ):
-    assert [peer_config(n) for n in ("a", "b", "c-split", "d", "e")] == ["a", "b", "c", "d", "e"]
+    names = ("a", "b-fused", "c-split", "c-split-fused", "d", "e")
+    assert [peer_config(n) for n in names] == ["a", "b", "c", "c", "d", "e"]
     with pytest.raises(SystemExit, match=r"\(c-bf16\) has no learned_optimization namesake"):
         peer_config("c-bf16")
     argv = ["estimators.py", "--peer", str(tmp_path), "--configs", "c"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from popmeta.core.estimators import EstimateRunner, GradientEstimator, make_runn
 from popmeta.estimate import Estimate
 from popmeta.experiment import WorkerSpec, build_estimator
 
-__all__ = ["EstimatorWorker", "exported_state_template", "worker_key"]
+__all__ = ["EstimatorWorker", "FusionCarry", "call_key", "exported_state_template", "worker_key"]
 
 # Called eagerly, ``jax.random.fold_in`` dispatches its primitives one by one;
 # jitted it is one call, and every actor call derives its key with it
@@ -46,6 +46,48 @@ def worker_key(seed: int, rank: int, restart: int = 0) -> jax.Array:
     """
     key = jax.random.fold_in(jax.random.key(seed), rank + 1)
     return jax.random.fold_in(key, restart) if restart else key
+
+
+def call_key(
+    root: jax.Array, version: jax.Array, last_version: jax.Array, repeats: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The key of a call on theta ``version``, traced: :meth:`EstimatorWorker._call_key` in a program.
+
+    The same rule, for the local engine's fused rounds, where the version is
+    a traced learner step: ``fold_in(root, version + 1)``, or repeat ``r`` of
+    the last version's key (``tests/actors/test_worker.py`` holds the two to
+    the same keys).
+
+    Args:
+      root: the worker's root key.
+      version: theta's version (int32).
+      last_version: the version of the worker's previous call (-1 before any).
+      repeats: repeats of ``last_version`` so far.
+
+    Returns:
+      ``(key, repeats)`` after this call.
+    """
+    key = jax.random.fold_in(root, version + 1)
+    repeated = version == last_version
+    repeats = jnp.where(repeated, repeats + 1, 0)
+    repeat_key = jax.random.fold_in(jax.random.fold_in(key, 0), repeats)
+    return jax.lax.select(repeated, repeat_key, key), repeats
+
+
+class FusionCarry(NamedTuple):
+    """What a worker hands to a fused program and takes back: its state and its key rule's counters.
+
+    Attributes:
+      state: the estimator's worker state (donated to the program).
+      key: the worker's root key.
+      last_version: theta version of the latest call (int32; -1 before any).
+      repeats: calls on ``last_version`` beyond the first (int32).
+    """
+
+    state: Any
+    key: jax.Array
+    last_version: Any
+    repeats: Any
 
 
 def exported_state_template(
@@ -294,6 +336,35 @@ class EstimatorWorker:
         )
         self._throwaway_state = out.state if keep else None
         return self._estimate(out, metrics, None, -1, start)
+
+    def hand_over(self, theta: Any) -> FusionCarry:
+        """Hands the worker's state to a fused program (:mod:`popmeta.population.fused`).
+
+        The worker holds no state until :meth:`take_back`, which must follow:
+        the program donates it.
+
+        Args:
+          theta: the meta-parameters (a fresh worker builds its first state with them).
+        """
+        if self._state is None:
+            self._state = self._first_state(theta)
+            self._phases = _phases_fn(self.estimator, self._state)
+        state, self._state = self._state, None
+        last = -1 if self._last_version is None else self._last_version
+        return FusionCarry(state, self._key, np.int32(last), np.int32(self._repeats))
+
+    def take_back(self, carry: FusionCarry) -> np.ndarray | None:
+        """Continues after a fused program, as if its calls had been this worker's own.
+
+        Returns:
+          Each task's trajectory phase after the program's last call (None
+          where the estimator has none), as :meth:`compute` reports them.
+        """
+        self._state = carry.state
+        last = int(carry.last_version)
+        self._last_version = None if last < 0 else last
+        self._repeats = int(carry.repeats)
+        return None if self._phases is None else np.asarray(self._phases(carry.state))
 
     def use_truncations_per_call(self, num_truncations: int) -> None:
         """Runs ``num_truncations`` truncations per call from now on, compiled before it returns."""

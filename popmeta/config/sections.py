@@ -38,8 +38,9 @@ class PopulationConfig:
         (``RAY_ADDRESS`` in the environment also joins a cluster).
       engine: ``ray`` (actors) or ``local`` (every worker in the driver, one
         after another, sync, no Ray). The local engine reads only
-        ``num_actors`` and ``shard_tasks`` and refuses every other field set
-        away from its default.
+        ``num_actors``, ``shard_tasks``, ``cpu_devices`` and
+        ``updates_per_call``, and refuses every Ray field set away from its
+        default.
       one_actor_per_node_with: if set, start one actor on every node that
         carries this resource (e.g. ``TPU`` or ``GPU``) instead of
         ``num_actors`` actors (which must then stay unset).
@@ -75,6 +76,12 @@ class PopulationConfig:
         (shared-memory channels) instead of an actor call: less overhead per
         round (docs/performance.md), but the driver busy-waits on a core while
         the actors compute. Sync mode only.
+      updates_per_call: the local engine compiles up to this many rounds
+        (every worker's estimate and the learner's step) into one program,
+        so the host dispatches once per call instead of several times per
+        update (docs/population.md, "Fused rounds"); the same updates, only
+        the rounding may differ. Local engine only; tasks with their data on
+        the device, not split over devices.
     """
 
     num_actors: int = 2
@@ -98,6 +105,7 @@ class PopulationConfig:
     min_call_timeout_s: float = 10.0
     max_actor_restarts: int = 10
     compiled_graph: bool = False
+    updates_per_call: int = 1
 
     def _problems(self) -> Iterator[Problem]:
         yield from positive(
@@ -108,7 +116,14 @@ class PopulationConfig:
             "call_timeout_s",
             "call_timeout_factor",
             "min_call_timeout_s",
+            "updates_per_call",
         )
+        if self.updates_per_call > 1 and self.engine != "local":
+            yield (
+                "updates_per_call",
+                "fuses the local engine's rounds into one program (engine: local); the Ray "
+                "engine's rounds cross processes: use estimator.truncations_per_call there",
+            )
         if self.compiled_graph and self.mode != "sync":
             yield "compiled_graph", "works in mode: sync only (async calls queue up on the actors)"
         yield from non_negative(self, "max_staleness", "num_cpus", "num_gpus", "max_actor_restarts")

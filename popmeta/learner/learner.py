@@ -109,6 +109,15 @@ class Learner:
         weights = np.concatenate([agg.weights, np.zeros(missing, agg.weights.dtype)])
         return agg.grads + (self._zeros,) * missing, weights
 
+    def adopt(self, state: TrainState) -> None:
+        """Continues from ``state``: what a program that took this learner's state returned.
+
+        The local engine's fused rounds (:mod:`popmeta.population.fused`)
+        take :attr:`state`, donated, and hand back the state after their steps.
+        """
+        self.state = state
+        self._theta_host = None
+
     def checkpoint_tree(self) -> LearnerCheckpoint:
         """The learner's part of a checkpoint: also the template to restore one into."""
         return LearnerCheckpoint(

@@ -13,8 +13,10 @@ from popmeta.actors.records import ActorInfo, WorkerState
 from popmeta.actors.worker import EstimatorWorker
 from popmeta.config import PopulationConfig
 from popmeta.experiment import WorkerSpec
+from popmeta.learner.learner import Learner
 from popmeta.population.base import Gathered, WorkerRestore
 from popmeta.population.call_size import RoundCost
+from popmeta.population.fused import FusedRounds
 
 __all__ = ["LocalPopulation"]
 
@@ -26,7 +28,7 @@ class LocalPopulation:
     estimate per worker on the version asked for.
 
     Args:
-      population: how many workers (``num_actors``; the local engine reads nothing else).
+      population: how many workers (``num_actors``; the run loop reads ``updates_per_call``).
       worker: what each worker is built from.
     """
 
@@ -49,6 +51,14 @@ class LocalPopulation:
         estimates = [worker.compute(theta, version) for worker in self.workers]
         self._mid_gather = False
         return Gathered(estimates, [0] * len(estimates), {}, 0)
+
+    def fused_rounds(self, learner: Learner, max_rounds: int) -> FusedRounds:
+        """The workers and ``learner``'s step as one program of up to ``max_rounds`` rounds.
+
+        Raises:
+          ValueError: a worker cannot run fused (see :class:`FusedRounds`).
+        """
+        return FusedRounds(self.workers, learner, max_rounds)
 
     def throwaway_round(self, theta: Any, num_truncations: int) -> RoundCost | None:
         """Times a throwaway estimate of ``num_truncations`` on every worker, one after another.

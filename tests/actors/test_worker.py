@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from popmeta.actors.worker import EstimatorWorker, worker_key
+from popmeta.actors.worker import EstimatorWorker, call_key, worker_key
 from popmeta.config import config_from_dict
 from popmeta.core.estimators import (
     EstimateRunner,
@@ -437,3 +437,17 @@ def test_sharded_worker_matches_single_device_worker(forced_device_results, case
 @pytest.mark.timeout(FORCED_DEVICE_TIMEOUT_S)
 def test_num_tasks_not_divisible_by_device_count_is_refused(forced_device_results):
     _assert_check_passed(forced_device_results, "indivisible")
+
+
+def test_the_traced_call_key_gives_the_keys_the_worker_gives():
+    config = _config()
+    worker = EstimatorWorker(WorkerSpec.of(config), rank=1)
+    root = worker_key(config.seed, 1)
+    traced = jax.jit(call_key)
+    last, repeats = np.int32(-1), np.int32(0)
+    for version in [0, 0, 0, 1, 2, 2, 5]:
+        expected = worker._call_key(version)
+        key, repeats = traced(root, np.int32(version), last, repeats)
+        last = np.int32(version)
+        np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(expected))
+        assert int(repeats) == worker._repeats
