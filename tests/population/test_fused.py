@@ -20,7 +20,8 @@ from popmeta.estimate import Estimate
 from popmeta.learner.checkpoints import list_checkpoints
 from popmeta.learner.learner import Learner
 from popmeta.population.fused import FusedCall, build_rounds_fn
-from popmeta.run_loop import train
+from popmeta.population.local import LocalPopulation
+from popmeta.run_loop import DivergedError, train
 from tests.events import read_scalars
 from tests.local_run import local_config
 from tests.processes import env_with_compilation_cache
@@ -204,3 +205,34 @@ def test_auto_takes_one_truncation_per_call_in_fused_rounds(tmp_path):
     train(config, stream=out)
     assert "estimator.truncations_per_call: auto -> 1 (fused rounds" in out.getvalue()
     assert "truncations_per_call: 1\n" in (tmp_path / "auto" / "config.yaml").read_text()
+
+
+class _DivergingFused(LocalPopulation):
+    """The real workers in fused rounds; from learner step 7 on, their states' floats are NaN."""
+
+    def fused_rounds(self, learner, max_rounds):
+        rounds = super().fused_rounds(learner, max_rounds)
+        run = rounds.run
+
+        def run_diverging(num_rounds):
+            if learner.version >= 7:
+                for worker in self.workers:
+                    state = worker.export_state()
+                    nan = jax.tree_util.tree_map(
+                        lambda x: x * np.nan if np.issubdtype(x.dtype, np.floating) else x,
+                        state.state,
+                    )
+                    worker.load_state(state._replace(state=nan))
+            return run(num_rounds)
+
+        rounds.run = run_diverging
+        return rounds
+
+
+def test_a_fused_run_that_diverges_stops_with_its_good_checkpoints(tmp_path):
+    config = _config(tmp_path, "diverging", 4, num_steps=20)
+    with pytest.raises(DivergedError, match="20 rounds in a row without a finite estimate"):
+        train(config, _DivergingFused, stream=io.StringIO())
+    # The call from step 6 ends at the checkpoint of step 8; no step is taken after it.
+    checkpoints = list_checkpoints(tmp_path / "diverging" / "checkpoints")
+    assert [path.name for path in checkpoints] == ["ckpt_00000004.npz", "ckpt_00000008.npz"]
