@@ -110,10 +110,10 @@ class Learner:
         return agg.grads + (self._zeros,) * missing, weights
 
     def adopt(self, state: TrainState) -> None:
-        """Continues from ``state``: what a program that took this learner's state returned.
+        """Continues from ``state``: the state after steps taken outside :meth:`update`.
 
         The local engine's fused rounds (:mod:`popmeta.population.fused`)
-        take :attr:`state`, donated, and hand back the state after their steps.
+        start from :attr:`state` and hand back the state after their steps.
         """
         self.state = state
         self._theta_host = None

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from popmeta.actors.worker import EstimatorWorker, FusionCarry, call_key
-from popmeta.core.estimators import EstimateRunner, GradientEstimator
+from popmeta.core.estimators import EstimateRunner, GradientEstimator, ShardedRunner
 from popmeta.estimate import Estimate, aggregate
 from popmeta.learner.learner import Learner, Update
 from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
@@ -91,7 +91,7 @@ class FusedRounds:
 
     Args:
       workers: the local engine's workers, in rank order.
-      learner: the run's learner: its state is donated to each call and adopted back.
+      learner: the run's learner: each call starts from its state and hands it the state after.
       max_rounds: K, the most rounds one call runs (the length of its records).
 
     A worker whose tasks are split over the local devices keeps them split:
@@ -142,12 +142,16 @@ class FusedRounds:
         train_state, states, counters, records = self._program(
             train_state, states, counters, np.int32(num_rounds)
         )
+        # Waits for the call. A second Ctrl-C meanwhile leaves the learner at
+        # the call's start and the workers without states, as a round stopped
+        # half-way leaves them: the checkpoint of that step keeps its own.
+        records = jax.device_get(records)
         self.learner.adopt(train_state)
         phases = [
             worker.take_back(counter._replace(state=state))
             for worker, state, counter in zip(self.workers, states, counters, strict=True)
         ]
-        records = jax.tree_util.tree_map(lambda r: np.asarray(r[:num_rounds]), records)
+        records = jax.tree_util.tree_map(lambda r: r[:num_rounds], records)
         return FusedCall(records, phases, time.perf_counter() - start)
 
 
@@ -169,7 +173,7 @@ def placed_rounds_fn(
       None where every runner runs on one device.
     """
     estimators = [runner.estimator for runner in runners]
-    split = [runner for runner in runners if runner.num_devices > 1]
+    split = [runner for runner in runners if isinstance(runner, ShardedRunner)]
     if not split:
         return build_rounds_fn(estimators, truncations_per_call, max_rounds), None
     replicated = split[0].replicated
@@ -188,7 +192,8 @@ def build_rounds_fn(
 ) -> Callable[..., tuple[TrainState, tuple[Any, ...], tuple[FusionCarry, ...], dict[str, Any]]]:
     """The fused program: ``(train_state, states, counters, num_rounds) -> (same, records)``.
 
-    Jitted, the train state and the workers' states donated. ``counters``
+    Jitted, the workers' states donated; the train state is not, so that a
+    call stopped before it returns leaves the learner where it was. ``counters``
     holds each worker's :class:`FusionCarry` without its state (``state=None``);
     ``num_rounds`` (at most ``max_rounds``) is an argument, not a constant, so
     calls of any length up to K share one compiled program. Round ``i``'s
@@ -231,10 +236,10 @@ def build_rounds_fn(
         return train_state, states, counters, records
 
     if shardings is None:
-        return jax.jit(rounds, donate_argnums=(0, 1))
+        return jax.jit(rounds, donate_argnums=(1,))
     replicated, state_shardings = shardings
     placement = (replicated, state_shardings, replicated, replicated)
-    return jax.jit(rounds, in_shardings=placement, out_shardings=placement, donate_argnums=(0, 1))
+    return jax.jit(rounds, in_shardings=placement, out_shardings=placement, donate_argnums=(1,))
 
 
 def _round(

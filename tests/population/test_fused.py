@@ -236,3 +236,42 @@ def test_a_fused_run_that_diverges_stops_with_its_good_checkpoints(tmp_path):
     # The call from step 6 ends at the checkpoint of step 8; no step is taken after it.
     checkpoints = list_checkpoints(tmp_path / "diverging" / "checkpoints")
     assert [path.name for path in checkpoints] == ["ckpt_00000004.npz", "ckpt_00000008.npz"]
+
+
+def test_a_second_ctrl_c_during_a_call_keeps_the_checkpoint_of_its_start(tmp_path, monkeypatch):
+    reference = tmp_path / "reference" / "checkpoints" / "ckpt_00000009.npz"
+    train(_config(tmp_path, "reference", 8), stream=io.StringIO())
+    config = _config(tmp_path, "twice", 8)
+    stop = {"armed": False, "done": False}
+    device_get = jax.device_get
+
+    def device_get_or_stop(tree):
+        if stop["armed"]:  # the call from step 4 is running: a second Ctrl-C, straight through
+            stop["armed"], stop["done"] = False, True
+            raise KeyboardInterrupt
+        return device_get(tree)
+
+    class Interrupted(LocalPopulation):
+        def fused_rounds(self, learner, max_rounds):
+            rounds = super().fused_rounds(learner, max_rounds)
+            run = rounds.run
+
+            def run_once_stopped(num_rounds):
+                stop["armed"] = learner.version == 4 and not stop["done"]
+                return run(num_rounds)
+
+            rounds.run = run_once_stopped
+            return rounds
+
+    monkeypatch.setattr(jax, "device_get", device_get_or_stop)
+    out = io.StringIO()
+    assert train(config, Interrupted, stream=out).interrupted
+    assert "interrupted (SIGINT) at step 4" in out.getvalue()
+    # The learner is where the call started, and step 4's checkpoint keeps its workers.
+    checkpoints = list_checkpoints(tmp_path / "twice" / "checkpoints")
+    assert [path.name for path in checkpoints] == ["ckpt_00000004.npz"]
+    monkeypatch.undo()
+    out = io.StringIO()
+    assert train(config, stream=out).final_step == 9
+    assert "worker states restored: rank(s) [0, 1]" in out.getvalue()
+    _assert_same_checkpoint(tmp_path / "twice" / "checkpoints" / "ckpt_00000009.npz", reference)
