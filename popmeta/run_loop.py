@@ -364,9 +364,18 @@ class _RunLoop:
                 f"and this run's population is a {type(population).__name__}"
             )
         try:
-            return population.fused_rounds(self.learner, max_rounds)
+            fused = population.fused_rounds(self.learner, max_rounds)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        field, shortest = min(self._periods().items(), key=lambda item: item[1])
+        if shortest < max_rounds:
+            print(
+                f"population.updates_per_call: {max_rounds}, but a call ends wherever {field} "
+                f"({shortest}) is due, so calls run at most {shortest} rounds; raise {field} "
+                "for longer ones",
+                file=self.stream,
+            )
+        return fused
 
     def _loop(
         self,
@@ -451,12 +460,20 @@ class _RunLoop:
                 step = gathered.estimates[0].version + (update.norms is not None)
                 yield gathered, update, 0.0, step
 
+    def _periods(self) -> dict[str, int]:
+        """Where a fused call must end, by the field that sets each period (those that are set)."""
+        tcfg = self.config.train
+        periods = {
+            "train.summary_every": tcfg.summary_every,
+            "train.checkpoint_every": tcfg.checkpoint_every,
+            "eval.every": self.config.eval.every,
+        }
+        return {name: period for name, period in periods.items() if period}
+
     def _rounds_until_due(self, step: int, max_rounds: int) -> int:
         """Rounds from ``step`` to the next summary, checkpoint, evaluation or the end, at most ``max_rounds``."""
-        tcfg = self.config.train
-        periods = [tcfg.summary_every, tcfg.checkpoint_every, self.config.eval.every]
-        due = [period - step % period for period in periods if period]
-        return min(max_rounds, tcfg.num_steps - step, *due)
+        due = [period - step % period for period in self._periods().values()]
+        return min(max_rounds, self.config.train.num_steps - step, *due)
 
     def _failed_round(
         self,

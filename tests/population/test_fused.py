@@ -63,7 +63,12 @@ def _assert_same_checkpoint(a: Path, b: Path) -> None:
 
 def test_fused_rounds_take_the_steps_of_unfused_rounds_and_write_the_same_run(tmp_path):
     unfused = train(_config(tmp_path, "unfused", 1), stream=io.StringIO())
-    fused = train(_config(tmp_path, "fused", 8), stream=io.StringIO())
+    out = io.StringIO()
+    fused = train(_config(tmp_path, "fused", 8), stream=out)
+    assert (
+        "population.updates_per_call: 8, but a call ends wherever train.summary_every (3) is "
+        "due, so calls run at most 3 rounds" in out.getvalue()
+    )
     assert fused.final_step == unfused.final_step == 9
     # The same keys, estimates, weights and steps; XLA may round the fused program otherwise.
     _assert_close(fused.theta, unfused.theta)
