@@ -140,11 +140,10 @@ def flops_per_inner_step(name: str, lopt) -> float | None:
 
 def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     import jax
-    import numpy as np
     import optax
 
     from popmeta.core.estimators import make_runner
-    from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
+    from popmeta.learner.train_state import TrainState
 
     base = base_config(name)  # the same configuration, its tasks split or its rounds fused
     lopt, estimator = build_config(base, num_tasks)
@@ -152,30 +151,55 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
     # worker does when it sees several.
     runner = make_runner(estimator, jax.local_devices() if SPLIT in name else None)
     theta = lopt.init(jax.random.key(0))
-    flops_per_step = flops_per_inner_step(base, lopt)
     train_state = TrainState.initial_state(theta, optax.adam(1e-3), jax.random.key(1))
+    worker = runner.init_worker_state(train_state.params, jax.random.key(2))
+    rate = fused_rate if name.endswith(FUSED) else unfused_rate
+    estimates_per_s, temp_mb = rate(runner, train_state, worker, seconds)
+    return {
+        "config": name,
+        "estimates_per_s": estimates_per_s,
+        "inner_steps_per_s": estimates_per_s * inner_steps_per_estimate(estimator),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "xla_temp_mb": temp_mb,
+        "devices": runner.num_devices,
+        "flops_per_inner_step": flops_per_inner_step(base, lopt),
+        # What XLA compiled with (``import popmeta`` may add flags: popmeta.xla_flags).
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def _temp_mb(lowered) -> float:
+    """XLA's temporary memory of a lowered program, in MiB (per device where it is split)."""
+    memory = lowered.compile().memory_analysis()
+    return getattr(memory, "temp_size_in_bytes", 0) / 2**20 if memory else float("nan")
+
+
+def unfused_rate(runner, train_state, worker_state, seconds: float) -> tuple[float, float]:
+    """Estimates per second of the runner's estimate and the learner's step, and the estimate's temporary MiB."""
+    import jax
+    import numpy as np
+
+    from popmeta.learner.train_state import build_apply_estimates_fn
+
     apply = build_apply_estimates_fn(donate_params_and_state=True)
     # Weights passed explicitly: a tree from before they were optional runs this script too.
     one_estimate = np.ones(1, np.float32)
-    worker = runner.init_worker_state(train_state.params, jax.random.key(2))
-
-    # Per device where the tasks are split.
-    lowered = runner.jitted_estimate(1).lower(
-        train_state.params, worker, jax.random.key(0), None, None
+    temp_mb = _temp_mb(
+        runner.jitted_estimate(1).lower(
+            train_state.params, worker_state, jax.random.key(0), None, None
+        )
     )
-    memory = lowered.compile().memory_analysis()
-    temp_mb = getattr(memory, "temp_size_in_bytes", 0) / 2**20 if memory else float("nan")
-
     # Each call's key comes from one jitted fold_in, as a worker derives it: an
     # eager jax.random.key(i) costs several dispatches (0.1-0.2 ms on 2 cores).
     root_key, call_key = jax.random.key(0), jax.jit(jax.random.fold_in)
-
     learner_device = jax.devices()[0]
 
     def one(i):
-        nonlocal worker, train_state
-        out, _ = runner.compute_gradient_estimate(train_state.params, worker, call_key(root_key, i))
-        worker = out.state
+        nonlocal worker_state, train_state
+        out, _ = runner.compute_gradient_estimate(
+            train_state.params, worker_state, call_key(root_key, i)
+        )
+        worker_state = out.state
         grad = out.grad
         if runner.num_devices > 1:  # split: the learner's device gets the estimate
             grad = jax.device_put(grad, learner_device)
@@ -192,26 +216,11 @@ def run_one(name: str, seconds: float, num_tasks: int = NUM_TASKS) -> dict:
         jax.block_until_ready(train_state.params)
         return 5
 
-    if name.endswith(FUSED):
-        estimates_per_s = fused_rate(runner, train_state, worker, seconds)
-    else:
-        estimates_per_s = median_rate(five, lambda: None, seconds)
-    steps_per_s = estimates_per_s * inner_steps_per_estimate(estimator)
-    return {
-        "config": name,
-        "estimates_per_s": estimates_per_s,
-        "inner_steps_per_s": steps_per_s,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "xla_temp_mb": temp_mb,
-        "devices": runner.num_devices,
-        "flops_per_inner_step": flops_per_step,
-        # What XLA compiled with (``import popmeta`` may add flags: popmeta.xla_flags).
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }
+    return median_rate(five, lambda: None, seconds), temp_mb
 
 
-def fused_rate(runner, train_state, worker_state, seconds: float) -> float:
-    """Estimates per second of the local engine's fused rounds, ``FUSED_ROUNDS`` per call."""
+def fused_rate(runner, train_state, worker_state, seconds: float) -> tuple[float, float]:
+    """Estimates per second of the local engine's fused rounds, ``FUSED_ROUNDS`` per call, and the program's temporary MiB."""
     import jax
     import numpy as np
 
@@ -224,15 +233,16 @@ def fused_rate(runner, train_state, worker_state, seconds: float) -> float:
     if replicated is not None:
         train_state, counters = jax.device_put((train_state, counters), replicated)
     rounds = np.int32(FUSED_ROUNDS)
+    temp_mb = _temp_mb(program.lower(train_state, states, counters, rounds))
 
     def call() -> int:
         nonlocal train_state, states, counters
         train_state, states, counters, records = program(train_state, states, counters, rounds)
-        jax.tree_util.tree_map(np.asarray, records)  # the host's copy, as FusedRounds.run takes it
+        jax.device_get(records)  # the host's copy, as FusedRounds.run takes it
         return FUSED_ROUNDS
 
     call()
-    return median_rate(call, lambda: None, seconds)
+    return median_rate(call, lambda: None, seconds), temp_mb
 
 
 def matmul_peak_gflops(n: int = 1024, seconds: float = 2.0, dtype: str = "float32") -> float:

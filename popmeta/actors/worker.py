@@ -265,8 +265,7 @@ class EstimatorWorker:
         """
         start = time.perf_counter()
         if self._state is None:
-            self._state = self._first_state(theta)
-            self._phases = _phases_fn(self.estimator, self._state)
+            self._start(theta)
         key = self._call_key(version)
         out, metrics = self.runner.compute_gradient_estimate(
             theta, self._state, key, num_truncations=self.truncations_per_call
@@ -337,18 +336,18 @@ class EstimatorWorker:
         self._throwaway_state = out.state if keep else None
         return self._estimate(out, metrics, None, -1, start)
 
-    def hand_over(self, theta: Any) -> FusionCarry:
+    def hand_over(self, theta: Callable[[], Any]) -> FusionCarry:
         """Hands the worker's state to a fused program (:mod:`popmeta.population.fused`).
 
         The worker holds no state until :meth:`take_back`, which must follow:
         the program donates it.
 
         Args:
-          theta: the meta-parameters (a fresh worker builds its first state with them).
+          theta: gives the meta-parameters; called only by a fresh worker,
+            which builds its first state with them.
         """
         if self._state is None:
-            self._state = self._first_state(theta)
-            self._phases = _phases_fn(self.estimator, self._state)
+            self._start(theta())
         state, self._state = self._state, None
         last = -1 if self._last_version is None else self._last_version
         return FusionCarry(state, self._key, np.int32(last), np.int32(self._repeats))
@@ -370,6 +369,11 @@ class EstimatorWorker:
         """Runs ``num_truncations`` truncations per call from now on, compiled before it returns."""
         self.truncations_per_call = num_truncations
         self.throwaway(num_truncations)
+
+    def _start(self, theta: Any) -> None:
+        """The worker's first state (fresh or loaded), and the phases function it fixes."""
+        self._state = self._first_state(theta)
+        self._phases = _phases_fn(self.estimator, self._state)
 
     def _first_state(self, theta: Any) -> Any:
         """A fresh state, or the loaded one placed where the runner keeps a fresh one.

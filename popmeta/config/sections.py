@@ -81,7 +81,7 @@ class PopulationConfig:
         so the host dispatches once per call instead of several times per
         update (docs/population.md, "Fused rounds"); the same updates, only
         the rounding may differ. Local engine only; tasks with their data on
-        the device, not split over devices.
+        the device (split over devices or not).
     """
 
     num_actors: int = 2

@@ -30,7 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from popmeta.actors.worker import EstimatorWorker, FusionCarry, call_key
-from popmeta.core.estimators import EstimateRunner, GradientEstimator, ShardedRunner
+from popmeta.core.estimators import (
+    EstimateRunner,
+    GradientEstimator,
+    ShardedRunner,
+    estimate_fn,
+)
 from popmeta.estimate import Estimate, aggregate
 from popmeta.learner.learner import Learner, Update
 from popmeta.learner.train_state import TrainState, build_apply_estimates_fn
@@ -125,8 +130,7 @@ class FusedRounds:
         if not 1 <= num_rounds <= self.max_rounds:
             raise ValueError(f"num_rounds must be in [1, {self.max_rounds}], got {num_rounds}")
         start = time.perf_counter()
-        theta = self.learner.theta()
-        carries = [worker.hand_over(theta) for worker in self.workers]
+        carries = [worker.hand_over(self.learner.theta) for worker in self.workers]
         states = tuple(carry.state for carry in carries)
         counters = tuple(carry._replace(state=None) for carry in carries)
         if self._program is None:
@@ -209,7 +213,7 @@ def build_rounds_fn(
         where they run on one device.
     """
     estimate_fns = [
-        _estimate_fn(estimator, k)
+        estimate_fn(estimator, k)
         for estimator, k in zip(estimators, truncations_per_call, strict=True)
     ]
     apply = build_apply_estimates_fn(jit=False)
@@ -283,15 +287,6 @@ def _round(
         "version": version,
     }
     return (train_state, tuple(new_states), tuple(new_counters)), record
-
-
-def _estimate_fn(estimator: GradientEstimator, num_truncations: int) -> Callable[..., Any]:
-    """``estimator``'s estimate of ``num_truncations`` truncations, as its runner compiles it."""
-    if num_truncations == 1:
-        return lambda theta, state, key: estimator.estimate(theta, state, key, None, None)
-    return lambda theta, state, key: estimator.estimate_many(
-        theta, state, key, num_truncations, None, None
-    )
 
 
 def _is_finite(out: Any) -> jax.Array:

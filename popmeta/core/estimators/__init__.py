@@ -11,6 +11,7 @@ from popmeta.core.estimators.runners import (
     EstimateRunner,
     ShardedRunner,
     SingleDeviceRunner,
+    estimate_fn,
     make_runner,
     task_mesh,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "TruncatedES",
     "TruncatedGrad",
     "TruncatedPES",
+    "estimate_fn",
     "make_runner",
     "task_mesh",
     "truncation_keys",

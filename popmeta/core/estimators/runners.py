@@ -36,6 +36,7 @@ __all__ = [
     "EstimateRunner",
     "ShardedRunner",
     "SingleDeviceRunner",
+    "estimate_fn",
     "make_runner",
     "task_mesh",
 ]
@@ -104,8 +105,16 @@ def _estimate_k(estimator: GradientEstimator, num_truncations: int) -> CompiledE
     return estimate_k
 
 
-def _estimate_or_many(estimator: GradientEstimator, num_truncations: int) -> CompiledEstimate:
-    """What to compile for K truncations: ``estimate`` itself for K = 1 (no scan)."""
+def estimate_fn(estimator: GradientEstimator, num_truncations: int) -> CompiledEstimate:
+    """What a runner compiles for K truncations: ``estimate`` itself for K = 1 (no scan).
+
+    Args:
+      estimator: the estimator.
+      num_truncations: K.
+
+    Returns:
+      A function of ``(theta, state, key, data=None, outer_state=None)``.
+    """
     return estimator.estimate if num_truncations == 1 else _estimate_k(estimator, num_truncations)
 
 
@@ -205,7 +214,7 @@ class SingleDeviceRunner(_CompiledRunner):
         return self._init_fn(theta, key, outer_state)
 
     def _compile(self, num_truncations: int) -> CompiledEstimate:
-        return jax.jit(_estimate_or_many(self.estimator, num_truncations), donate_argnums=(1,))
+        return jax.jit(estimate_fn(self.estimator, num_truncations), donate_argnums=(1,))
 
 
 def task_mesh(devices: Sequence[jax.Device], axis_name: str = TASK_AXIS) -> Mesh:
@@ -315,7 +324,7 @@ class ShardedRunner(_CompiledRunner):
             raise RuntimeError("call init_worker_state before jitted_estimate")
         rep, state_sharding = self.replicated, self._state_sharding
         return jax.jit(
-            _estimate_or_many(self.estimator, num_truncations),
+            estimate_fn(self.estimator, num_truncations),
             in_shardings=(rep, state_sharding, rep, self.data_sharding, rep),
             # A single sharding is a prefix for the whole grad / metrics pytree.
             out_shardings=(EstimatorOut(rep, rep, rep, state_sharding), rep),
