@@ -262,6 +262,7 @@ def build_truncated_step(
             num_tasks=num_tasks,
             random_initial_iteration_offset=cfg.estimator.random_initial_iteration_offset,
             meta_loss_split=_meta_loss_split(cfg),
+            meta_loss_transform=cfg.estimator.meta_loss_transform,
         )
 
     members = (

@@ -260,6 +260,11 @@ class EstimatorConfig(KindSection):
         batch of the held-out outer-validation split (learned_optimization's
         ``outer_valid``), which rewards generalisation rather than fitting the
         training batch. Data-free task families have no such split and refuse it.
+      meta_loss_transform: ``identity``: each step's meta-loss as it is, so
+        the first steps of a trajectory, whose losses are the largest, weigh
+        most; ``log``: its logarithm (plus 1e-3), so that halving the loss
+        counts the same at any step, and the end of a trajectory, where the
+        loss is small, weighs as much as its start.
     """
 
     REGISTRY: ClassVar[Registry] = ESTIMATORS
@@ -269,6 +274,7 @@ class EstimatorConfig(KindSection):
     random_initial_iteration_offset: int = 100
     truncations_per_call: int | Literal["auto"] = "auto"
     meta_loss_split: Literal["train", "outer_valid"] = "train"
+    meta_loss_transform: Literal["identity", "log"] = "identity"
     resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def _own_problems(self) -> Iterator[Problem]:

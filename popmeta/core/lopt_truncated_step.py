@@ -30,7 +30,17 @@ from popmeta.core.tree_utils import select_tasks
 from popmeta.core.truncated_step import TruncatedStep, TruncatedUnrollOut
 from popmeta.core.truncation import TruncationSchedule, TruncationState
 
-__all__ = ["LOptTruncatedState", "VectorizedLOptTruncatedStep"]
+__all__ = [
+    "META_LOSS_LOG_FLOOR",
+    "META_LOSS_TRANSFORMS",
+    "LOptTruncatedState",
+    "VectorizedLOptTruncatedStep",
+]
+
+#: How each step's (normalized) meta-loss enters the sum the estimators differentiate.
+META_LOSS_TRANSFORMS = ("identity", "log")
+#: Added before the log: losses far below it all count about as much as zero.
+META_LOSS_LOG_FLOOR = 1e-3
 
 
 class LOptTruncatedState(NamedTuple):
@@ -74,6 +84,10 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
       meta_loss_split: None to use the normalized training loss before the update
         as the per-step meta-loss; otherwise a data split (e.g. "outer_valid") on
         which the updated parameters are evaluated.
+      meta_loss_transform: ``"identity"`` sums the per-step losses as they are,
+        so the first steps of a trajectory, whose losses are largest, dominate
+        the meta-loss; ``"log"`` takes ``log(loss + META_LOSS_LOG_FLOOR)`` of
+        each, so that halving the loss counts the same early and late in a run.
       host_data: if True, ``get_batch`` pulls host batches from the family's
         ``datasets`` iterators (learned_optimization's behaviour); by default data is
         sampled on device inside the jitted unroll and ``get_batch`` returns None.
@@ -88,6 +102,7 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         random_initial_iteration_offset: int = 0,
         meta_loss_split: str | None = None,
         host_data: bool = False,
+        meta_loss_transform: str = "identity",
     ):
         if num_tasks < 1:
             raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
@@ -101,8 +116,14 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
         self.trunc_sched = trunc_sched
         self.num_tasks = int(num_tasks)
         self.random_initial_iteration_offset = int(random_initial_iteration_offset)
+        if meta_loss_transform not in META_LOSS_TRANSFORMS:
+            raise ValueError(
+                f"meta_loss_transform must be one of {META_LOSS_TRANSFORMS}; "
+                f"got {meta_loss_transform!r}"
+            )
         self.meta_loss_split = meta_loss_split
         self.host_data = host_data
+        self.meta_loss_transform = meta_loss_transform
 
     def outer_init(self, key: jax.Array) -> Any:
         """The learned optimizer's initial theta, as learned_optimization returns it."""
@@ -153,6 +174,8 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
             if meta_batch is None:
                 meta_batch = self.task_family.sample_batch(key_meta, self.meta_loss_split)
             meta_loss = task.normalizer(task.loss(opt.get_params(opt_state), key_meta, meta_batch))
+        if self.meta_loss_transform == "log":
+            meta_loss = jnp.log(meta_loss + META_LOSS_LOG_FLOOR)
         out = TruncatedUnrollOut(
             loss=meta_loss.astype(jnp.float32),
             is_done=is_done,

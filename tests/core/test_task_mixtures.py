@@ -17,7 +17,7 @@ from popmeta.core.estimators.antithetic import (
     sample_perturbation,
 )
 from popmeta.core.learned_optimizers import LearnableSGD
-from popmeta.core.lopt_truncated_step import VectorizedLOptTruncatedStep
+from popmeta.core.lopt_truncated_step import META_LOSS_LOG_FLOOR, VectorizedLOptTruncatedStep
 from popmeta.core.mixture_truncated_step import MixtureTruncatedStep, apportion
 from popmeta.core.tasks import (
     Conv_Digits8,
@@ -81,6 +81,38 @@ def test_outer_valid_meta_loss_is_the_updated_params_loss_on_that_split():
     assert not np.allclose(out.loss, train_out.loss)
 
 
+def test_log_meta_loss_is_the_log_of_each_steps_loss_plus_the_floor():
+    task = ImageMLPTask(InMemoryDataset(_split_data(outer_label=7)), batch_size=4)
+    family = single_task_to_family(task)
+    lopt = LearnableSGD(initial_lr=0.5)
+    theta = lopt.init(jax.random.key(0))
+
+    def losses(transform):
+        ts = VectorizedLOptTruncatedStep(
+            family,
+            lopt,
+            ConstantTruncationSchedule(5),
+            num_tasks=3,
+            meta_loss_split="outer_valid",
+            meta_loss_transform=transform,
+        )
+        state = ts.init_step_state(theta, None, jax.random.key(1))
+        steps = []
+        for i in range(4):
+            state, out = ts.unroll_step(theta, state, jax.random.key(2 + i), None, None)
+            steps.append(out.loss)
+        return np.stack(steps)
+
+    plain, logged = losses("identity"), losses("log")
+    np.testing.assert_allclose(logged, np.log(plain + META_LOSS_LOG_FLOOR), rtol=1e-5)
+    # Late, small losses move the log meta-loss as much as early, large ones do.
+    assert plain[0].mean() > plain[-1].mean()
+    with pytest.raises(ValueError, match="meta_loss_transform must be one of"):
+        VectorizedLOptTruncatedStep(
+            family, lopt, ConstantTruncationSchedule(5), 2, meta_loss_transform="sqrt"
+        )
+
+
 def _config(**task_and_estimator):
     task = task_and_estimator.pop("task", {})
     return config_from_dict(
@@ -103,6 +135,16 @@ def test_meta_loss_split_config_reaches_the_step_and_data_free_families_refuse_i
             _config(task={"kind": family}, meta_loss_split="outer_valid")
     with pytest.raises(ConfigError, match=r"estimator\.meta_loss_split: expected one of"):
         _config(meta_loss_split="valid")
+
+
+def test_meta_loss_transform_config_reaches_every_member_of_a_mixture():
+    mixture = {"image_mlp_digits": 1, "image_mlp_digits4": 1}
+    cfg = _config(task={"kind": "image_mlp_digits", "mixture": mixture}, meta_loss_transform="log")
+    step = build_truncated_step(EstimatorSections.of(cfg))
+    assert [g.meta_loss_transform for g in step.groups] == ["log", "log"]
+    assert build_truncated_step(EstimatorSections.of(_config())).meta_loss_transform == "identity"
+    with pytest.raises(ConfigError, match=r"estimator\.meta_loss_transform: expected one of"):
+        _config(meta_loss_transform="sqrt")
 
 
 # Digits at other resolutions, and a small conv net -----------------------------------------
