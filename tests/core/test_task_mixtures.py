@@ -58,11 +58,15 @@ def _split_data(outer_label: int) -> dict:
 # Meta-loss on the outer-validation split ------------------------------------------------
 
 
-def test_outer_valid_meta_loss_is_the_updated_params_loss_on_that_split():
+def _outer_valid_problem():
+    """A task whose outer_valid batches all hold one example, its family, SGD and its theta."""
     task = ImageMLPTask(InMemoryDataset(_split_data(outer_label=7)), batch_size=4)
-    family = single_task_to_family(task)
     lopt = LearnableSGD(initial_lr=0.5)
-    theta = lopt.init(jax.random.key(0))
+    return task, single_task_to_family(task), lopt, lopt.init(jax.random.key(0))
+
+
+def test_outer_valid_meta_loss_is_the_updated_params_loss_on_that_split():
+    task, family, lopt, theta = _outer_valid_problem()
 
     def step(split):
         ts = VectorizedLOptTruncatedStep(
@@ -82,10 +86,7 @@ def test_outer_valid_meta_loss_is_the_updated_params_loss_on_that_split():
 
 
 def test_log_meta_loss_is_the_log_of_each_steps_loss_plus_the_floor():
-    task = ImageMLPTask(InMemoryDataset(_split_data(outer_label=7)), batch_size=4)
-    family = single_task_to_family(task)
-    lopt = LearnableSGD(initial_lr=0.5)
-    theta = lopt.init(jax.random.key(0))
+    _, family, lopt, theta = _outer_valid_problem()
 
     def losses(transform):
         ts = VectorizedLOptTruncatedStep(
@@ -105,7 +106,7 @@ def test_log_meta_loss_is_the_log_of_each_steps_loss_plus_the_floor():
 
     plain, logged = losses("identity"), losses("log")
     np.testing.assert_allclose(logged, np.log(plain + META_LOSS_LOG_FLOOR), rtol=1e-5)
-    # Late, small losses move the log meta-loss as much as early, large ones do.
+    # The losses fall over the steps, so the check spans more than one scale.
     assert plain[0].mean() > plain[-1].mean()
     with pytest.raises(ValueError, match="meta_loss_transform must be one of"):
         VectorizedLOptTruncatedStep(
