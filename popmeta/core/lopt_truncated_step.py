@@ -111,16 +111,16 @@ class VectorizedLOptTruncatedStep(TruncatedStep):
                 "random_initial_iteration_offset must be >= 0, got "
                 f"{random_initial_iteration_offset}"
             )
-        self.task_family = task_family
-        self.learned_opt = learned_opt
-        self.trunc_sched = trunc_sched
-        self.num_tasks = int(num_tasks)
-        self.random_initial_iteration_offset = int(random_initial_iteration_offset)
         if meta_loss_transform not in META_LOSS_TRANSFORMS:
             raise ValueError(
                 f"meta_loss_transform must be one of {META_LOSS_TRANSFORMS}; "
                 f"got {meta_loss_transform!r}"
             )
+        self.task_family = task_family
+        self.learned_opt = learned_opt
+        self.trunc_sched = trunc_sched
+        self.num_tasks = int(num_tasks)
+        self.random_initial_iteration_offset = int(random_initial_iteration_offset)
         self.meta_loss_split = meta_loss_split
         self.host_data = host_data
         self.meta_loss_transform = meta_loss_transform

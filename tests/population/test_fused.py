@@ -212,32 +212,40 @@ def test_auto_takes_one_truncation_per_call_in_fused_rounds(tmp_path):
     assert "truncations_per_call: 1\n" in (tmp_path / "auto" / "config.yaml").read_text()
 
 
-class _DivergingFused(LocalPopulation):
-    """The real workers in fused rounds; from learner step 7 on, their states' floats are NaN."""
+def _before_each_call(hook):
+    """The local engine, fused, calling ``hook(population, learner)`` before each fused call."""
 
-    def fused_rounds(self, learner, max_rounds):
-        rounds = super().fused_rounds(learner, max_rounds)
-        run = rounds.run
+    class Hooked(LocalPopulation):
+        def fused_rounds(self, learner, max_rounds):
+            rounds = super().fused_rounds(learner, max_rounds)
+            run = rounds.run
 
-        def run_diverging(num_rounds):
-            if learner.version >= 7:
-                for worker in self.workers:
-                    state = worker.export_state()
-                    nan = jax.tree_util.tree_map(
-                        lambda x: x * np.nan if np.issubdtype(x.dtype, np.floating) else x,
-                        state.state,
-                    )
-                    worker.load_state(state._replace(state=nan))
-            return run(num_rounds)
+            def run_after_hook(num_rounds):
+                hook(self, learner)
+                return run(num_rounds)
 
-        rounds.run = run_diverging
-        return rounds
+            rounds.run = run_after_hook
+            return rounds
+
+    return Hooked
+
+
+def _nan_states_from_step_7(population, learner):
+    """The real workers, their states' floats made NaN from learner step 7 on."""
+    if learner.version < 7:
+        return
+    for worker in population.workers:
+        state = worker.export_state()
+        nan = jax.tree_util.tree_map(
+            lambda x: x * np.nan if np.issubdtype(x.dtype, np.floating) else x, state.state
+        )
+        worker.load_state(state._replace(state=nan))
 
 
 def test_a_fused_run_that_diverges_stops_with_its_good_checkpoints(tmp_path):
     config = _config(tmp_path, "diverging", 4, num_steps=20)
     with pytest.raises(DivergedError, match="20 rounds in a row without a finite estimate"):
-        train(config, _DivergingFused, stream=io.StringIO())
+        train(config, _before_each_call(_nan_states_from_step_7), stream=io.StringIO())
     # The call from step 6 ends at the checkpoint of step 8; no step is taken after it.
     checkpoints = list_checkpoints(tmp_path / "diverging" / "checkpoints")
     assert [path.name for path in checkpoints] == ["ckpt_00000004.npz", "ckpt_00000008.npz"]
@@ -256,21 +264,12 @@ def test_a_second_ctrl_c_during_a_call_keeps_the_checkpoint_of_its_start(tmp_pat
             raise KeyboardInterrupt
         return device_get(tree)
 
-    class Interrupted(LocalPopulation):
-        def fused_rounds(self, learner, max_rounds):
-            rounds = super().fused_rounds(learner, max_rounds)
-            run = rounds.run
-
-            def run_once_stopped(num_rounds):
-                stop["armed"] = learner.version == 4 and not stop["done"]
-                return run(num_rounds)
-
-            rounds.run = run_once_stopped
-            return rounds
+    def arm_at_step_4(population, learner):
+        stop["armed"] = learner.version == 4 and not stop["done"]
 
     monkeypatch.setattr(jax, "device_get", device_get_or_stop)
     out = io.StringIO()
-    assert train(config, Interrupted, stream=out).interrupted
+    assert train(config, _before_each_call(arm_at_step_4), stream=out).interrupted
     assert "interrupted (SIGINT) at step 4" in out.getvalue()
     # The learner is where the call started, and step 4's checkpoint keeps its workers.
     checkpoints = list_checkpoints(tmp_path / "twice" / "checkpoints")
