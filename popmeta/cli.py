@@ -1,4 +1,5 @@
-"""The ``popmeta`` command line: ``train``, ``validate``, ``select``, ``eval``, ``export``, ``kinds``.
+"""The ``popmeta`` command line: ``train``, ``validate``, ``select``, ``eval``, ``compare``,
+``export``, ``kinds``.
 
 Every failure ends in one paragraph on stderr (``popmeta: ...``) and an exit
 status of :data:`EXIT_STATUSES`, never in a traceback: an unexpected error's
@@ -164,6 +165,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     select.add_argument("--out", default=None, help="output folder (default: RUN/select)")
     _add_eval_overrides(select)
+    side_by_side = commands.add_parser(
+        "compare",
+        help="set evaluations side by side: the bar's halves per setting, and the settings "
+        "each gained and lost against the first",
+    )
+    side_by_side.add_argument(
+        "evaluations",
+        nargs="+",
+        metavar="RESULTS_CSV",
+        help="results.csv files `popmeta eval` wrote, or the folders that hold them; the "
+        "first is the one the others are counted against",
+    )
     export = commands.add_parser(
         "export",
         help="write a checkpoint's learned optimizer to a file popmeta.load_optimizer reads",
@@ -458,6 +471,8 @@ def _command(args: argparse.Namespace) -> int:
         return _select(args)
     if args.command == "export":
         return _export(args.checkpoint, args.out, args.overrides)
+    if args.command == "compare":
+        return _compare(args.evaluations)
     if args.command == "kinds":
         from popmeta.registry import render_markdown
 
@@ -479,6 +494,17 @@ def _command(args: argparse.Namespace) -> int:
         _warn_of_stale_estimates(config.population)
         return 0
     return _train(config, args.from_checkpoint)
+
+
+def _compare(paths: list[str]) -> int:
+    from popmeta.evaluate import format_side_by_side, read_evaluation
+
+    try:
+        evaluations = [read_evaluation(path) for path in paths]
+    except (ValueError, OSError) as err:
+        return _fail(str(err), EX_USAGE)
+    print(format_side_by_side(evaluations), end="")
+    return 0
 
 
 def _warn_of_stale_estimates(population: PopulationConfig) -> None:

@@ -13,6 +13,8 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from popmeta.evaluate.report import read_results_csv
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -53,7 +55,7 @@ def _verdicts(lines: list[str]) -> int:
 def test_every_row_of_a_csv_is_in_its_tables(csv_name):
     readme_table = _script("docs/results/readme_table.py")
     csv_name = f"docs/results/{csv_name}"
-    rows = readme_table._read_rows(REPO / csv_name)
+    rows = read_results_csv(REPO / csv_name)
     full = _table_lines(readme_table.render_block(csv_name, kind="results-table-full"))
     assert len(full) == sum(1 for r in rows if r["optimizer"] == "learned")
     assert _verdicts(full) == sum(1 for r in rows if r["verdict"])
@@ -80,7 +82,7 @@ def test_the_results_tables_refuse_a_csv_that_popmeta_eval_did_not_write(tmp_pat
     readme_table = _script("docs/results/readme_table.py")
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     (tmp_path / "other.json").write_text('{"commit": "x", "commands": [], "note": ""}')
-    with pytest.raises(ValueError, match="not a popmeta eval CSV"):
+    with pytest.raises(ValueError, match=r"not a results\.csv of `popmeta eval`"):
         readme_table.render_block("other.csv", root=tmp_path)
 
 

@@ -29,6 +29,7 @@ from popmeta.evaluate import (
     evaluate,
     format_reports,
     paired_interval,
+    read_evaluation,
     settings_of,
     t_quantile_975,
     tune_baseline,
@@ -241,6 +242,12 @@ def test_every_setting_is_reported_and_written(evaluated, tmp_path):
     assert int(row["unstable_tasks"]) == adam.unstable_tasks
     scalars = read_scalars(tmp_path / "eval" / "digits" / "learned")
     assert [s for s, _ in scalars["eval/test_loss"]] == list(range(12))
+    # `popmeta compare` reads the bar back from the CSV as the table counted it.
+    read_back = read_evaluation(tmp_path / "eval")
+    assert [s for s, o in read_back.outcomes.items() if o.criteria.met] == met
+    assert read_back.outcomes["digits"].train_loss == pytest.approx(
+        float(digits.scores["learned"].mean_train_loss.mean())
+    )
 
 
 def test_the_background_evaluation_never_makes_the_learner_wait(tmp_path):

@@ -20,7 +20,6 @@ the compact table shows its ``summary`` instead where it has one.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -29,7 +28,7 @@ import sys
 from pathlib import Path
 
 from popmeta.evaluate.baselines import BASELINES
-from popmeta.evaluate.report import CSV_COLUMNS
+from popmeta.evaluate.report import read_results_csv
 from popmeta.evaluate.statistics import METRICS, Comparison
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,14 +53,6 @@ METRIC_NAMES = {
 def _number(text: str, spec: str) -> str:
     value = float(text)
     return format(value, spec) if math.isfinite(value) else "diverged"
-
-
-def _read_rows(csv_path: Path) -> list[dict[str, str]]:
-    with csv_path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != CSV_COLUMNS:
-            raise ValueError(f"{csv_path}: not a popmeta eval CSV (columns {reader.fieldnames})")
-        return list(reader)
 
 
 def _full_table(rows: list[dict[str, str]]) -> list[str]:
@@ -187,7 +178,7 @@ def render_block(
         "",
         _LEGEND[kind],
         "",
-        *table(_read_rows(csv_path)),
+        *table(read_results_csv(csv_path)),
         f"<!-- /{kind} -->",
     ]
     return "\n".join(lines)

@@ -6,7 +6,8 @@ baselines, :mod:`~popmeta.evaluate.statistics` scores tasks and compares
 paired by task, :mod:`~popmeta.evaluate.report` prints and writes the
 results, :mod:`~popmeta.evaluate.checkpoints` meta-tests a training checkpoint,
 :mod:`~popmeta.evaluate.selection` chooses among a run's checkpoints on
-validation tasks and :mod:`~popmeta.evaluate.periodic` evaluates in the
+validation tasks, :mod:`~popmeta.evaluate.side_by_side` sets evaluations
+side by side and :mod:`~popmeta.evaluate.periodic` evaluates in the
 background during training.
 """
 
@@ -19,6 +20,7 @@ from popmeta.evaluate.report import (
     EvalWriteError,
     check_output_dir,
     format_reports,
+    read_results_csv,
     write_reports,
 )
 from popmeta.evaluate.runs import (
@@ -40,11 +42,19 @@ from popmeta.evaluate.selection import (
     select_checkpoint,
     write_selection,
 )
+from popmeta.evaluate.side_by_side import (
+    Evaluation,
+    SettingOutcome,
+    format_side_by_side,
+    read_evaluation,
+)
 from popmeta.evaluate.statistics import (
     BAR_BASELINES,
     METRICS,
+    BarCriteria,
     Comparison,
     TaskScores,
+    bar_criteria,
     compare,
     meets_bar,
     paired_interval,
@@ -58,17 +68,21 @@ __all__ = [
     "CSV_COLUMNS",
     "LEARNING_RATES",
     "METRICS",
+    "BarCriteria",
     "BaselineCache",
     "BaselineValidation",
     "CheckpointValidation",
     "Comparison",
     "EvalOutput",
     "EvalWriteError",
+    "Evaluation",
     "PeriodicEvaluator",
     "Selection",
     "Setting",
+    "SettingOutcome",
     "SettingReport",
     "TaskScores",
+    "bar_criteria",
     "check_output_dir",
     "compare",
     "evaluate",
@@ -76,10 +90,13 @@ __all__ = [
     "evaluate_setting",
     "format_reports",
     "format_selection",
+    "format_side_by_side",
     "learned_optimizer_run",
     "load_theta",
     "meets_bar",
     "paired_interval",
+    "read_evaluation",
+    "read_results_csv",
     "run_checkpoints",
     "run_of",
     "scores_of",

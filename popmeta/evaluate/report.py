@@ -36,6 +36,7 @@ __all__ = [
     "EvalWriteError",
     "check_output_dir",
     "format_reports",
+    "read_results_csv",
     "write_reports",
 ]
 
@@ -164,6 +165,23 @@ def _write_csv(reports: Sequence[SettingReport], path: Path) -> None:
                             "" if c is None else c.verdict,
                         ]
                     )
+
+
+def read_results_csv(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a ``results.csv`` that :func:`write_reports` wrote, as strings.
+
+    Raises:
+      ValueError: naming the file, when its columns are not :data:`CSV_COLUMNS`.
+      OSError: when it cannot be read.
+    """
+    with Path(path).open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != CSV_COLUMNS:
+            raise ValueError(
+                f"{path}: not a results.csv of `popmeta eval` (its columns are "
+                f"{reader.fieldnames}; expected {', '.join(CSV_COLUMNS)})"
+            )
+        return list(reader)
 
 
 def _plot(reports: Sequence[SettingReport], path: Path, title: str) -> None:

@@ -26,8 +26,10 @@ from popmeta.core.evaluation import TrainingCurves
 __all__ = [
     "BAR_BASELINES",
     "METRICS",
+    "BarCriteria",
     "Comparison",
     "TaskScores",
+    "bar_criteria",
     "compare",
     "mean_interval",
     "mean_train_losses",
@@ -175,17 +177,40 @@ def compare(learned: TaskScores, baseline: TaskScores, name: str) -> list[Compar
     return comparisons
 
 
+class BarCriteria(NamedTuple):
+    """The bar's two halves in one setting (:func:`bar_criteria`).
+
+    Attributes:
+      train_loss: a WIN on mean training loss against every baseline compared.
+      test_loss: a WIN or TIE on final test loss against every one.
+    """
+
+    train_loss: bool
+    test_loss: bool
+
+    @property
+    def met(self) -> bool:
+        return self.train_loss and self.test_loss
+
+
+def bar_criteria(comparisons: Sequence[Comparison]) -> BarCriteria:
+    """Each half of the bar (:func:`meets_bar`) in one setting; neither without comparisons."""
+    verdicts = {(c.baseline, c.metric): c.verdict for c in comparisons}
+    baselines = {c.baseline for c in comparisons}
+    if not baselines:
+        return BarCriteria(train_loss=False, test_loss=False)
+    return BarCriteria(
+        train_loss=all(verdicts.get((b, "mean_train_loss")) == "WIN" for b in baselines),
+        test_loss=all(verdicts.get((b, "final_test_loss")) in ("WIN", "TIE") for b in baselines),
+    )
+
+
 def meets_bar(comparisons: Sequence[Comparison]) -> bool:
     """Whether ``comparisons`` (of one setting, against each baseline to beat) show a WIN
     on mean training loss and a WIN or TIE on final test loss: the bar a learned
     optimizer meant to replace tuned Adam must clear. An unstable setting's verdicts are
     LOSSes, so it never meets it."""
-    verdicts = {(c.baseline, c.metric): c.verdict for c in comparisons}
-    return bool(verdicts) and all(
-        verdicts.get((baseline, "mean_train_loss")) == "WIN"
-        and verdicts.get((baseline, "final_test_loss")) in ("WIN", "TIE")
-        for baseline in {c.baseline for c in comparisons}
-    )
+    return bar_criteria(comparisons).met
 
 
 def mean_train_losses(train_curves: np.ndarray) -> np.ndarray:
