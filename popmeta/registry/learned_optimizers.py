@@ -122,6 +122,7 @@ def normalized_mlp(
     fan_in_base: PositiveFloat | None = None,
     fan_in_power: NonNegativeFloat | Literal["learned"] = 0.5,
     sign_symmetric: bool = False,
+    weight_decay_horizon: PositiveFloat | None = None,
     mlp_dtype: MLPDtype = "float32",
 ) -> LearnedOptimizer:
     """Args:
@@ -152,6 +153,8 @@ def normalized_mlp(
         weight with fewer inputs than B steps further.
     sign_symmetric: whether the step of a parameter negated with its gradient history is the
         step negated, as Adam's is (the MLP runs twice: on the features and on their mirror).
+    weight_decay_horizon: H: a run of num_steps decays by weight_decay * H / num_steps a step, so
+        any run length shrinks the weights as much in all as a run of H steps; none by default.
     mlp_dtype: what the MLP multiplies in (bfloat16: float32 sums, theta and state float32).
     """
     return NormalizedMLPLOpt(
@@ -171,5 +174,6 @@ def normalized_mlp(
         fan_in_base=fan_in_base,
         fan_in_power=fan_in_power,
         sign_symmetric=sign_symmetric,
+        weight_decay_horizon=weight_decay_horizon,
         mlp_dtype=mlp_dtype,
     )

@@ -336,6 +336,38 @@ def test_braked_weight_decay_rises_from_weight_decay_as_the_brake_engages():
         NormalizedMLPLOpt(loss_guard=0.05, braked_weight_decay=-0.1)
 
 
+def test_a_weight_decay_horizon_gives_every_run_length_the_same_decay_in_all():
+    """With ``H``, a run of ``T`` steps decays ``wd * H / T`` a step: as the rule with that decay."""
+    theta = _random_theta(NormalizedMLPLOpt(initial_lr=0.02), 1.0)
+    per_run = NormalizedMLPLOpt(initial_lr=0.02, weight_decay=0.1, weight_decay_horizon=100.0)
+    grad = _grad(PARAMS, 3)
+    for num_steps in (25, 100, 1000):
+        state = per_run.opt_fn(theta).init(PARAMS, num_steps=num_steps)
+        step, _ = per_run.opt_fn(theta).step(state, grad, loss=jnp.float32(1.0))
+        per_step = NormalizedMLPLOpt(initial_lr=0.02, weight_decay=0.1 * 100.0 / num_steps)
+        expected, _ = per_step.opt_fn(theta).step(state, grad, loss=jnp.float32(1.0))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), step, expected)
+
+    # Where the gradient is zero only the decay moves the weights: untrained, a run of any
+    # length shrinks them by about exp(-lr * wd * H) in all; a per-step decay, T times as far.
+    def shrink(rule: NormalizedMLPLOpt, num_steps: int) -> float:
+        opt = as_optax(rule, rule.init(jax.random.key(0)), num_steps=num_steps)
+        params, zero = {"w": jnp.ones((4, 3))}, {"w": jnp.zeros((4, 3))}
+        update = jax.jit(opt.update)
+        state = opt.init(params)
+        for _ in range(num_steps):
+            updates, state = update(zero, state, params, value=jnp.float32(1.0))
+            params = optax.apply_updates(params, updates)
+        return float(params["w"][0, 0])
+
+    for num_steps in (50, 400):
+        assert shrink(per_run, num_steps) == pytest.approx(np.exp(-0.02 * 0.1 * 100), rel=2e-3)
+    plain = NormalizedMLPLOpt(initial_lr=0.02, weight_decay=0.1)
+    assert shrink(plain, 400) == pytest.approx(np.exp(-0.02 * 0.1 * 400), rel=1e-2)
+    with pytest.raises(ValueError, match="weight_decay_horizon"):
+        NormalizedMLPLOpt(weight_decay=0.1, weight_decay_horizon=0.0)
+
+
 def test_mirror_signs_are_the_features_of_a_parameter_negated_with_its_gradient_history():
     """The signs the symmetric MLP mirrors by, row for row against the features' own definition."""
     keys = jax.random.split(jax.random.key(3), 4)

@@ -12,7 +12,8 @@ distribution:
                                                           (element_clip=c: then clip(n, -c, c))
     lr      = exp(log_lr + bound(schedule(global features))) * external(f)
                                                           (loss_guard=g: times guard, below)
-    p      <- p - lr * (n + wd * p)                      wd: weight_decay (braked_weight_decay=w:
+    p      <- p - lr * (n + wd * p)                      wd: weight_decay (weight_decay_horizon=H:
+                                                          times H / num_steps; braked_weight_decay=w:
                                                           wd + (w - wd) * (1 - guard))
                                                           (fan_in_base=B: lr times
                                                           min(1, B / fan_in) ** fan_in_power;
@@ -39,7 +40,11 @@ times the lowest EMA: a noisy loss far above zero climbs by ``g`` first
 losses on noise alone, an unstable run by several times its lowest loss.
 ``braked_weight_decay`` raises the decay as the brake engages: a loss that
 climbs late in a run is a rule fitting faster than the task generalizes, and
-a run whose loss never climbs keeps the small decay. ``fan_in_base`` shrinks
+a run whose loss never climbs keeps the small decay. ``weight_decay_horizon``
+scales the decay by ``H / num_steps``, so that a run of any length decays
+its weights as much in all as a run of ``H`` steps: a decay per step that
+regularizes a short run enough shrinks the weights ten times as far over a
+run ten times as long. ``fan_in_base`` shrinks
 the step of a tensor with more inputs than the rule met in meta-training: an
 RMS-normalized step moves a layer's output by about the step size times its
 fan-in, so a wider layer takes a larger step in what it computes; with
@@ -213,6 +218,8 @@ class _NormalizedMLPLOptOptimizer(OptimizerOfTheta):
             lopt.external_schedule
         ](fraction)
         weight_decay = lopt.weight_decay
+        if lopt.weight_decay_horizon is not None:
+            weight_decay = weight_decay * (lopt.weight_decay_horizon / state.num_steps)
         if guard is not None:
             lr = lr * guard
             if lopt.braked_weight_decay is not None:
@@ -352,6 +359,7 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         fan_in_base: float | None = None,
         fan_in_power: float | str = 0.5,
         sign_symmetric: bool = False,
+        weight_decay_horizon: float | None = None,
         decays: Sequence[float] = DEFAULT_DECAYS,
         rms_decay: float = 0.999,
         timescales: Sequence[float] = SHORT_TIMESCALES,
@@ -434,6 +442,12 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             the step negated, as Adam's is: a correction that moves every
             parameter the same way, whatever its gradient, cannot be learned.
             The same theta; one more pass of the MLP.
+          weight_decay_horizon: ``H``: ``weight_decay`` holds in a run of
+            ``H`` steps, and a run of ``num_steps`` decays by ``weight_decay *
+            H / num_steps`` a step, so every run length shrinks the weights
+            by the same factor in all (braked decay still rises to
+            ``braked_weight_decay``); ``None``: ``weight_decay`` a step at
+            every length. Hand-designed, not meta-trained.
           mlp_dtype: what the MLP's layers multiply in: ``float32``, or
             ``bfloat16`` (float32 sums; features, theta and state stay float32).
         """
@@ -460,6 +474,10 @@ class NormalizedMLPLOpt(LearnedOptimizer):
             raise ValueError(
                 f"loss_guard_relative must be >= 0 and needs loss_guard when > 0, got "
                 f"loss_guard_relative={loss_guard_relative!r}, loss_guard={loss_guard!r}"
+            )
+        if weight_decay_horizon is not None and not weight_decay_horizon > 0:
+            raise ValueError(
+                f"weight_decay_horizon must be > 0 or None, got {weight_decay_horizon!r}"
             )
         if fan_in_base is not None and not fan_in_base > 0:
             raise ValueError(f"fan_in_base must be > 0 or None, got {fan_in_base!r}")
@@ -497,6 +515,9 @@ class NormalizedMLPLOpt(LearnedOptimizer):
         self.fan_in_base = None if fan_in_base is None else float(fan_in_base)
         self.fan_in_power = fan_in_power if learned_power else float(fan_in_power)
         self.sign_symmetric = bool(sign_symmetric)
+        self.weight_decay_horizon = (
+            None if weight_decay_horizon is None else float(weight_decay_horizon)
+        )
         self.rms_decay = float(rms_decay)
         self.timescales = tuple(float(t) for t in timescales)
         self.horizon_centers = tuple(float(c) for c in horizon_centers)
