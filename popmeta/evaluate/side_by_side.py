@@ -118,12 +118,8 @@ def _cell(outcome: SettingOutcome | None) -> str:
     if outcome is None:
         return "-"
     train, test = outcome.criteria
-    status = (
-        "met"
-        if train and test
-        else "miss "
-        + "+".join(half for half, kept in (("train", train), ("test", test)) if not kept)
-    )
+    missed = [half for half, kept in (("train", train), ("test", test)) if not kept]
+    status = "miss " + "+".join(missed) if missed else "met"
     unstable = f" (unstable {outcome.unstable})" if outcome.unstable else ""
     return f"{status}{unstable} {outcome.train_loss:.3g} / {outcome.test_loss:.3g}"
 
@@ -141,12 +137,10 @@ def _moves(first: Evaluation, other: Evaluation) -> str:
     shared = [s for s in first.outcomes if s in other.outcomes]
     counts = []
     for name, holds in _HALVES:
-        gained = sum(
-            holds(other.outcomes[s].criteria) > holds(first.outcomes[s].criteria) for s in shared
-        )
-        lost = sum(
-            holds(first.outcomes[s].criteria) > holds(other.outcomes[s].criteria) for s in shared
-        )
+        before = [holds(first.outcomes[s].criteria) for s in shared]
+        after = [holds(other.outcomes[s].criteria) for s in shared]
+        gained = sum(a and not b for a, b in zip(after, before, strict=True))
+        lost = sum(b and not a for a, b in zip(after, before, strict=True))
         counts.append(f"{name} gained {gained}, lost {lost}")
     line = f"over the {len(shared)} settings both have: " + "; ".join(counts)
     differing = [s for s in shared if first.outcomes[s].baselines != other.outcomes[s].baselines]
