@@ -24,12 +24,14 @@ from popmeta.evaluate import (
     LEARNING_RATES,
     BaselineCache,
     PeriodicEvaluator,
+    ResultsTable,
     TaskScores,
     compare,
     evaluate,
     format_reports,
     paired_interval,
     read_evaluation,
+    read_results_csv,
     settings_of,
     t_quantile_975,
     tune_baseline,
@@ -248,6 +250,14 @@ def test_every_setting_is_reported_and_written(evaluated, tmp_path):
     assert read_back.outcomes["digits"].train_loss == pytest.approx(
         float(digits.scores["learned"].mean_train_loss.mean())
     )
+    # Every verdict row reads back as the comparison it was written from (the untrained rule
+    # loses these settings, so the bar above is met nowhere: the verdicts say more).
+    table = ResultsTable.of(read_results_csv(tmp_path / "eval" / "results.csv"))
+    for report in reports:
+        for written in report.comparisons:
+            read = table.comparison(report.setting.name, written.baseline, written.metric)
+            assert read == pytest.approx(written)
+    assert table.comparison("digits", "learned", "mean_train_loss") is None  # no verdict row
 
 
 def test_the_background_evaluation_never_makes_the_learner_wait(tmp_path):

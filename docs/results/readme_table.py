@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from popmeta.evaluate.baselines import BASELINES
-from popmeta.evaluate.report import read_results_csv
+from popmeta.evaluate.report import ResultsTable, read_results_csv
 from popmeta.evaluate.statistics import METRICS, Comparison
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,37 +50,31 @@ METRIC_NAMES = {
 }
 
 
-def _number(text: str, spec: str) -> str:
-    value = float(text)
+def _number(value: str | float, spec: str) -> str:
+    value = float(value)
     return format(value, spec) if math.isfinite(value) else "diverged"
 
 
 def _full_table(rows: list[dict[str, str]]) -> list[str]:
     """One line per setting and metric: the learned optimizer, the untrained one, each verdict."""
-    by_key = {(r["setting"], r["optimizer"], r["metric"]): r for r in rows}
-    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    table = ResultsTable.of(rows)
     columns = ["learned", "untrained", *(f"vs {BASELINE_NAMES.get(b, b)}" for b in BASELINES)]
     lines = [
         "| setting | metric | " + " | ".join(columns) + " |",
         "|---" * (2 + len(columns)) + "|",
     ]
-    for setting in settings:
+    for setting in table.settings:
         first = True
         for metric in METRICS:
-            learned = by_key.get((setting, "learned", metric))
+            learned = table.row(setting, "learned", metric)
             if learned is None:
                 continue
-            untrained = by_key.get((setting, "untrained", metric))
+            untrained = table.row(setting, "untrained", metric)
             cells = [
                 f"{_number(learned['mean'], '.3g')} ± {_number(learned['ci95_half_width'], '.2g')}",
                 "n/a" if untrained is None else _number(untrained["mean"], ".3g"),
             ]
-            for baseline in BASELINES:
-                row = by_key.get((setting, baseline, metric))
-                if row is None or not row["verdict"]:
-                    cells.append("n/a")
-                    continue
-                cells.append(_versus(row, learned))
+            cells += [_versus(table.comparison(setting, b, metric)) for b in BASELINES]
             name = ""
             if first:
                 name = (
@@ -94,44 +88,35 @@ def _full_table(rows: list[dict[str, str]]) -> list[str]:
     return lines
 
 
-def _versus(row: dict[str, str], learned: dict[str, str]) -> str:
-    """``learned - baseline ± half-width VERDICT`` of one comparison row."""
-    label = Comparison(
-        row["optimizer"],
-        row["metric"],
-        float(row["learned_minus_optimizer"]),
-        float(row["difference_ci95_half_width"]),
-        row["verdict"],
-        int(learned["unstable_tasks"]),
-    ).label
-    difference = _number(row["learned_minus_optimizer"], "+.2g")
-    half_width = _number(row["difference_ci95_half_width"], ".2g")
-    return f"{difference} ± {half_width} {label}"
+def _versus(comparison: Comparison | None) -> str:
+    """``learned - baseline ± half-width VERDICT``, or n/a where the CSV has no verdict."""
+    if comparison is None:
+        return "n/a"
+    difference = _number(comparison.difference, "+.2g")
+    half_width = _number(comparison.half_width, ".2g")
+    return f"{difference} ± {half_width} {comparison.label}"
 
 
 def _compact_table(rows: list[dict[str, str]]) -> list[str]:
     """One line per setting: each compact metric's learned mean (median, worst) and verdicts."""
-    by_key = {(r["setting"], r["optimizer"], r["metric"]): r for r in rows}
-    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    table = ResultsTable.of(rows)
     header = ["setting", "steps", "unstable"]
     for metric in COMPACT_METRICS:
         header += [f"{METRIC_NAMES[metric]}: mean (median, worst)"]
         header += [f"vs {BASELINE_NAMES[b]}" for b in COMPACT_BASELINES]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for setting in settings:
-        first = by_key.get((setting, "learned", COMPACT_METRICS[0]))
+    for setting in table.settings:
+        first = table.row(setting, "learned", COMPACT_METRICS[0])
         if first is None:
             continue
         cells = [setting, first["num_steps"], f"{first['unstable_tasks']} of {first['num_tasks']}"]
         for metric in COMPACT_METRICS:
-            learned = by_key[(setting, "learned", metric)]
+            learned = table.row(setting, "learned", metric)
             cells.append(
                 f"{_number(learned['mean'], '.3g')} ({_number(learned['median'], '.3g')}, "
                 f"{_number(learned['worst'], '.3g')})"
             )
-            for baseline in COMPACT_BASELINES:
-                row = by_key.get((setting, baseline, metric))
-                cells.append("n/a" if row is None or not row["verdict"] else _versus(row, learned))
+            cells += [_versus(table.comparison(setting, b, metric)) for b in COMPACT_BASELINES]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -23,6 +23,7 @@ from popmeta.evaluate.runs import SettingReport
 from popmeta.evaluate.statistics import (
     BAR_BASELINES,
     METRICS,
+    Comparison,
     TaskScores,
     mean_interval,
     meets_bar,
@@ -34,6 +35,7 @@ __all__ = [
     "CSV_COLUMNS",
     "EvalOutput",
     "EvalWriteError",
+    "ResultsTable",
     "check_output_dir",
     "format_reports",
     "read_results_csv",
@@ -182,6 +184,44 @@ def read_results_csv(path: str | Path) -> list[dict[str, str]]:
                 f"{reader.fieldnames}; expected {', '.join(CSV_COLUMNS)})"
             )
         return list(reader)
+
+
+class ResultsTable(NamedTuple):
+    """The rows of a ``results.csv`` (:func:`read_results_csv`), found by setting, optimizer, metric.
+
+    Attributes:
+      settings: the settings, in the CSV's order.
+      rows: each row by its ``(setting, optimizer, metric)``.
+    """
+
+    settings: list[str]
+    rows: dict[tuple[str, str, str], dict[str, str]]
+
+    @classmethod
+    def of(cls, rows: Sequence[dict[str, str]]) -> ResultsTable:
+        return cls(
+            list(dict.fromkeys(r["setting"] for r in rows)),
+            {(r["setting"], r["optimizer"], r["metric"]): r for r in rows},
+        )
+
+    def row(self, setting: str, optimizer: str, metric: str) -> dict[str, str] | None:
+        return self.rows.get((setting, optimizer, metric))
+
+    def comparison(self, setting: str, baseline: str, metric: str) -> Comparison | None:
+        """``baseline``'s verdict row as the :class:`Comparison` it was written from (with the
+        learned optimizer's unstable count in the setting), or None where it has no verdict."""
+        row = self.row(setting, baseline, metric)
+        if row is None or not row["verdict"]:
+            return None
+        learned = self.row(setting, "learned", metric)
+        return Comparison(
+            baseline,
+            metric,
+            float(row["learned_minus_optimizer"]),
+            float(row["difference_ci95_half_width"]),
+            row["verdict"],
+            0 if learned is None else int(learned["unstable_tasks"]),
+        )
 
 
 def _plot(reports: Sequence[SettingReport], path: Path, title: str) -> None:

@@ -24,8 +24,8 @@ from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
 
-from popmeta.evaluate.report import read_results_csv
-from popmeta.evaluate.statistics import BAR_BASELINES, BarCriteria, Comparison, bar_criteria
+from popmeta.evaluate.report import ResultsTable, read_results_csv
+from popmeta.evaluate.statistics import BAR_BASELINES, BarCriteria, bar_criteria
 
 __all__ = ["Evaluation", "SettingOutcome", "format_side_by_side", "read_evaluation"]
 
@@ -72,28 +72,28 @@ def read_evaluation(path: str | Path) -> Evaluation:
     path = Path(path)
     if path.is_dir():
         path = path / "results.csv"
-    rows = read_results_csv(path)
-    settings = list(dict.fromkeys(r["setting"] for r in rows))
-    by_key = {(r["setting"], r["optimizer"], r["metric"]): r for r in rows}
+    table = ResultsTable.of(read_results_csv(path))
     outcomes = {}
-    for setting in settings:
+    for setting in table.settings:
         losses = {}
         for metric in ("mean_train_loss", "final_test_loss"):
-            row = by_key.get((setting, "learned", metric))
+            row = table.row(setting, "learned", metric)
             if row is None:
                 raise ValueError(f"{path}: setting {setting!r} has no learned {metric} row")
             losses[metric] = row
         comparisons, baselines = [], []
         for baseline in BAR_BASELINES:
-            train = by_key.get((setting, baseline, "mean_train_loss"))
-            test = by_key.get((setting, baseline, "final_test_loss"))
-            if train is None or test is None or not train["verdict"] or not test["verdict"]:
+            train = table.comparison(setting, baseline, "mean_train_loss")
+            test = table.comparison(setting, baseline, "final_test_loss")
+            if train is None or test is None:
                 raise ValueError(
                     f"{path}: setting {setting!r} lacks {baseline}'s verdicts (the bar is "
                     f"judged against {' and '.join(BAR_BASELINES)})"
                 )
-            comparisons += [_comparison(train), _comparison(test)]
-            baselines.append((train["learning_rate"], train["mean"], test["mean"]))
+            comparisons += [train, test]
+            train_row = table.row(setting, baseline, "mean_train_loss")
+            test_row = table.row(setting, baseline, "final_test_loss")
+            baselines.append((train_row["learning_rate"], train_row["mean"], test_row["mean"]))
         outcomes[setting] = SettingOutcome(
             criteria=bar_criteria(comparisons),
             train_loss=float(losses["mean_train_loss"]["mean"]),
@@ -102,16 +102,6 @@ def read_evaluation(path: str | Path) -> Evaluation:
             baselines=tuple(baselines),
         )
     return Evaluation(str(path), outcomes)
-
-
-def _comparison(row: dict[str, str]) -> Comparison:
-    return Comparison(
-        row["optimizer"],
-        row["metric"],
-        float(row["learned_minus_optimizer"]),
-        float(row["difference_ci95_half_width"]),
-        row["verdict"],
-    )
 
 
 def _cell(outcome: SettingOutcome | None) -> str:
