@@ -156,26 +156,59 @@ def conv_digits(
     )
 
 
+Activation = Literal["relu", "tanh", "gelu", "elu"]
+
+#: The architecture space's choices, each a list a parametric family draws from.
+_CHOICES = ("widths", "depths", "activations", "batch_sizes")
+
+
+def _choices_drawn(config: Any, where: str, section: Any) -> Iterator[tuple[str, str]]:
+    """Every choice a non-empty list; sizes positive integers."""
+    del config
+    for name in _CHOICES:
+        values = getattr(section, name)
+        if not values:
+            yield f"{where}.{name}", "must list at least one choice, got []"
+        elif name != "activations" and any(v < 1 for v in values):
+            yield f"{where}.{name}", f"must be positive integers, got {list(values)!r}"
+
+
 @TASK_FAMILIES.register(
     "parametric_image_mlp_digits",
-    "MLPs on the 8x8 digits with sampled width, depth, activation and batch size: `groups` "
-    "architectures drawn from the run's seed, one group of task slots each; meta-testing runs "
-    "its nominal member (`nominal_*`, batch 128)",
+    "MLPs on the 8x8 digits with sampled width, depth, activation and batch size (each drawn "
+    "from its list): `groups` architectures drawn from the run's seed, one group of task slots "
+    "each; meta-testing runs its nominal member (`nominal_*`, batch 128)",
+    rules=_choices_drawn,
 )
 def parametric_image_mlp_digits(
     groups: PositiveInt = 3,
+    widths: tuple[int, ...] = (16, 32, 64),
+    depths: tuple[int, ...] = (1, 2, 3),
+    activations: tuple[Activation, ...] = ("relu", "tanh", "gelu", "elu"),
+    batch_sizes: tuple[int, ...] = (32, 64, 128),
     nominal_width: PositiveInt = 32,
     nominal_depth: PositiveInt = 1,
-    nominal_activation: Literal["relu", "tanh", "gelu", "elu"] = "relu",
+    nominal_activation: Activation = "relu",
 ) -> TaskFamily:
     """Args:
     groups: architectures a worker trains at once, each with its own compile.
+    widths: hidden widths an architecture draws from (every hidden layer has its one width).
+    depths: numbers of hidden layers an architecture draws from.
+    activations: hidden nonlinearities an architecture draws from.
+    batch_sizes: examples per inner batch an architecture draws from.
     nominal_width: hidden width of the member meta-testing runs.
     nominal_depth: hidden layers of the member meta-testing runs.
     nominal_activation: nonlinearity of the member meta-testing runs.
     """
     nominal = ImageMLPConfig(nominal_width, nominal_depth, nominal_activation, batch_size=128)
-    return ParametricImageMLP_Digits8(num_groups=groups, nominal=nominal)
+    return ParametricImageMLP_Digits8(
+        widths=widths,
+        depths=depths,
+        activations=activations,
+        batch_sizes=batch_sizes,
+        num_groups=groups,
+        nominal=nominal,
+    )
 
 
 @TASK_FAMILIES.register(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -438,6 +439,33 @@ def test_meta_testing_runs_the_parametric_familys_nominal_member_as_configured()
     assert [g.task_family.task.hidden_sizes for g in step.groups] == [
         (c.width,) * c.depth for c in drawn
     ]
+
+
+def test_the_parametric_familys_architecture_space_comes_from_the_config():
+    space = {"widths": [128, 16], "depths": [2], "activations": ["tanh"], "batch_sizes": [32]}
+    member = {"weight": 1, "groups": 3, **space}
+    mixture = {"image_mlp_digits": 1, "parametric_image_mlp_digits": member}
+    cfg = _config(task={"kind": "image_mlp_digits", "mixture": mixture}, num_tasks=8)
+    parametric = build_truncated_step(EstimatorSections.of(cfg)).groups[1:]
+    drawn = [(g.task_family.task.hidden_sizes, g.task_family.task.batch_size) for g in parametric]
+    assert len(drawn) == 3 and {sizes for sizes, _ in drawn} <= {(128, 128), (16, 16)}
+    assert {batch for _, batch in drawn} == {32}
+    assert all(g.task_family.task.activation is jnp.tanh for g in parametric)
+    # The defaults are the space the family always drew from, so a config without them draws
+    # what it drew before.
+    default = build_task_family(_config(task={"kind": "parametric_image_mlp_digits"}).task)
+    assert default.sample_configs(3, 4) == ParametricImageMLP_Digits8().sample_configs(3, 4)
+
+    where = "task.mixture.parametric_image_mlp_digits"
+    for bad, message in (
+        ({"widths": []}, r"\.widths: must list at least one choice"),
+        ({"depths": [2, 0]}, r"\.depths: must be positive integers, got \[2, 0\]"),
+        ({"activations": ["swish"]}, r"\.activations\[0\]: expected one of 'relu'"),
+        ({"batch_sizes": 32}, r"\.batch_sizes: expected a list of int"),
+    ):
+        mixture = {"image_mlp_digits": 1, "parametric_image_mlp_digits": {**member, **bad}}
+        with pytest.raises(ConfigError, match=re.escape(where) + message):
+            _config(task={"kind": "image_mlp_digits", "mixture": mixture})
 
 
 def test_conv_digits_takes_its_channels_and_batch_size_from_the_config():
