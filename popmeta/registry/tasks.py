@@ -21,6 +21,7 @@ from popmeta.core.tasks import (
     TaskFamily,
     load_digits_8x8,
     single_task_to_family,
+    space_problems,
 )
 from popmeta.registry.kinds import PositiveInt, Registry
 
@@ -158,19 +159,13 @@ def conv_digits(
 
 Activation = Literal["relu", "tanh", "gelu", "elu"]
 
-#: The architecture space's choices, each a list a parametric family draws from.
-_CHOICES = ("widths", "depths", "activations", "batch_sizes")
-
 
 def _choices_drawn(config: Any, where: str, section: Any) -> Iterator[tuple[str, str]]:
-    """Every choice a non-empty list; sizes positive integers."""
+    """The family's own check of its architecture space, named by field."""
     del config
-    for name in _CHOICES:
-        values = getattr(section, name)
-        if not values:
-            yield f"{where}.{name}", "must list at least one choice, got []"
-        elif name != "activations" and any(v < 1 for v in values):
-            yield f"{where}.{name}", f"must be positive integers, got {list(values)!r}"
+    choices = ("widths", "depths", "activations", "batch_sizes")
+    problems = space_problems(**{name: getattr(section, name) for name in choices})
+    yield from ((f"{where}.{field}", problem) for field, problem in problems)
 
 
 @TASK_FAMILIES.register(

@@ -29,6 +29,7 @@ from popmeta.core.tasks.parametric import (
     ImageMLPConfig,
     ParametricImageMLP_Digits8,
     ParametricImageMLPFamily,
+    space_problems,
 )
 from popmeta.core.tasks.quadratics import (
     CurvedQuadraticFamily,
@@ -67,6 +68,7 @@ __all__ = [
     "load_npz_images_8x8",
     "resample_images",
     "single_task_to_family",
+    "space_problems",
     "split_arrays",
     "vec_get_batch",
 ]

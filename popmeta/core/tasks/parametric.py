@@ -14,7 +14,7 @@ batches of 128, i.e. the digits MLP.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -30,6 +30,7 @@ __all__ = [
     "ImageMLPConfig",
     "ParametricImageMLPFamily",
     "ParametricImageMLP_Digits8",
+    "space_problems",
 ]
 
 #: The hidden nonlinearities an architecture may draw, by name.
@@ -65,6 +66,28 @@ class ImageMLPConfig(NamedTuple):
 NOMINAL = ImageMLPConfig(width=32, depth=1, activation="relu", batch_size=128)
 
 
+def space_problems(
+    widths: Sequence[int],
+    depths: Sequence[int],
+    activations: Sequence[str],
+    batch_sizes: Sequence[int],
+) -> Iterator[tuple[str, str]]:
+    """What is wrong with an architecture space, as ``(field, problem)`` pairs; none when valid.
+
+    Every choice must list at least one value; sizes must be positive integers and
+    activations keys of :data:`ACTIVATIONS`.
+    """
+    sizes = {"widths": widths, "depths": depths, "batch_sizes": batch_sizes}
+    for field, values in {**sizes, "activations": activations}.items():
+        if not values:
+            yield field, "must list at least one choice, got []"
+        elif field == "activations":
+            if any(a not in ACTIVATIONS for a in values):
+                yield field, f"must be some of {sorted(ACTIVATIONS)}, got {list(values)!r}"
+        elif any(int(v) != v or v < 1 for v in values):
+            yield field, f"must be positive integers, got {list(values)!r}"
+
+
 class ParametricImageMLPFamily(TaskFamily):
     """Image MLPs whose architecture and batch size are sampled per group of tasks.
 
@@ -96,13 +119,13 @@ class ParametricImageMLPFamily(TaskFamily):
     ):
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1; got {num_groups!r}")
-        for field, values in (("widths", widths), ("depths", depths), ("batch_sizes", batch_sizes)):
-            if not values or any(int(v) != v or v < 1 for v in values):
-                raise ValueError(f"{field} must be positive integers; got {tuple(values)!r}")
-        unknown = [a for a in (*activations, nominal.activation) if a not in ACTIVATIONS]
-        if not activations or unknown:
+        space = {"widths": widths, "depths": depths, "activations": activations}
+        for field, problem in space_problems(**space, batch_sizes=batch_sizes):
+            raise ValueError(f"{field} {problem}")
+        if nominal.activation not in ACTIVATIONS:
             raise ValueError(
-                f"activations must be some of {sorted(ACTIVATIONS)}; got {tuple(activations)!r}"
+                f"nominal.activation must be one of {sorted(ACTIVATIONS)}; "
+                f"got {nominal.activation!r}"
             )
         self.data = data
         self.widths = tuple(int(w) for w in widths)
