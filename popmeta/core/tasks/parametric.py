@@ -77,15 +77,16 @@ def space_problems(
     Every choice must list at least one value; sizes must be positive integers and
     activations keys of :data:`ACTIVATIONS`.
     """
-    sizes = {"widths": widths, "depths": depths, "batch_sizes": batch_sizes}
-    for field, values in {**sizes, "activations": activations}.items():
-        if not values:
-            yield field, "must list at least one choice, got []"
-        elif field == "activations":
-            if any(a not in ACTIVATIONS for a in values):
-                yield field, f"must be some of {sorted(ACTIVATIONS)}, got {list(values)!r}"
-        elif any(int(v) != v or v < 1 for v in values):
-            yield field, f"must be positive integers, got {list(values)!r}"
+    empty = "must list at least one choice, got []"
+    for field, sizes in (("widths", widths), ("depths", depths), ("batch_sizes", batch_sizes)):
+        if not sizes:
+            yield field, empty
+        elif any(int(v) != v or v < 1 for v in sizes):
+            yield field, f"must be positive integers, got {list(sizes)!r}"
+    if not activations:
+        yield "activations", empty
+    elif any(a not in ACTIVATIONS for a in activations):
+        yield "activations", f"must be some of {sorted(ACTIVATIONS)}, got {list(activations)!r}"
 
 
 class ParametricImageMLPFamily(TaskFamily):
@@ -119,8 +120,7 @@ class ParametricImageMLPFamily(TaskFamily):
     ):
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1; got {num_groups!r}")
-        space = {"widths": widths, "depths": depths, "activations": activations}
-        for field, problem in space_problems(**space, batch_sizes=batch_sizes):
+        for field, problem in space_problems(widths, depths, activations, batch_sizes):
             raise ValueError(f"{field} {problem}")
         if nominal.activation not in ACTIVATIONS:
             raise ValueError(
