@@ -9,7 +9,9 @@ decade over [1e-5, 1]) with the lowest mean training loss on *tuning* tasks
 around the best of those.
 
 A tuned baseline's test scores depend only on the setting (its task section
-and number of steps), the task counts, the seed and the grid, so they are
+and number of steps), the task counts, the seed, the grid and the machine
+(XLA compiles for the device and, on CPU, for the host's instruction set, so
+one evaluation gives other rounding on another CPU model), so they are
 cached on disk (``$POPMETA_CACHE_DIR``, by default ``~/.cache/popmeta``):
 evaluating a second checkpoint runs only the learned optimizer. ``popmeta
 select`` runs the tuned baselines on its validation tasks too, cached beside.
@@ -17,9 +19,11 @@ select`` runs the tuned baselines on its validation tasks too, cached beside.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import platform
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -134,6 +138,33 @@ def scores_at(
     return scores_of(jax.jit(run)(lr, jax.random.key(seed)))
 
 
+@functools.cache
+def _machine_description() -> dict[str, str]:
+    """What the rounding of a jitted run depends on beyond the code and its inputs.
+
+    The backend and its device kind, and the host CPU: on CPU, XLA compiles for
+    the host's instruction set (two x86 CPU models, same code and tasks, gave
+    conv-net baselines that differ by up to 10%; docs/generalist.md). On Linux
+    the CPU is ``/proc/cpuinfo``'s model name and a digest of its feature flags,
+    elsewhere ``platform``'s processor and machine.
+    """
+    device = jax.devices()[0]
+    cpu = f"{platform.processor()} {platform.machine()}"
+    try:
+        with open("/proc/cpuinfo") as info:
+            fields = dict(
+                (name.strip(), value.strip())
+                for name, _, value in (line.partition(":") for line in info)
+                if name.strip() in ("model name", "flags")
+            )
+    except OSError:
+        fields = {}
+    if "model name" in fields:
+        flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:12]
+        cpu = f"{fields['model name']} flags {flags}"
+    return {"backend": device.platform, "device_kind": device.device_kind, "cpu": cpu}
+
+
 def _default_cache_dir() -> Path:
     if "POPMETA_CACHE_DIR" in os.environ:
         return Path(os.environ["POPMETA_CACHE_DIR"])
@@ -142,14 +173,16 @@ def _default_cache_dir() -> Path:
 
 
 class BaselineCache:
-    """Tuned baselines on disk, one ``.npz`` per (setting, baseline, task counts, seed, grid, tuning),
-    and one per other set of tasks a tuned baseline is scored on (``scored_on``).
+    """Tuned baselines on disk, one ``.npz`` per (setting, baseline, task counts, seed, grid, tuning,
+    machine), and one per other set of tasks a tuned baseline is scored on (``scored_on``).
 
     A cache that cannot be read or written is skipped: the baseline is
     simply tuned again.
 
-    An entry is found by the task section's kind and fields: a task kind of
-    your own whose code changed under the same name needs ``refresh``.
+    An entry is found by the task section's kind and fields and by the
+    machine (backend, device kind and CPU model), so a cache folder shared by
+    several machine kinds serves each its own curves. A task kind of your own
+    whose code changed under the same name needs ``refresh``.
 
     Args:
       folder: where the entries live; None: ``$POPMETA_CACHE_DIR`` or ``~/.cache/popmeta``,
@@ -175,6 +208,7 @@ class BaselineCache:
         described: dict[str, Any] = {
             "format": _CACHE_FORMAT,
             "jax": jax.__version__,
+            "machine": _machine_description(),
             "task": {"kind": task.kind, "fields": dict(task.options)},
             "baseline": baseline,
             "num_steps": num_steps,
