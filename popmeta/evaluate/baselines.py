@@ -144,9 +144,9 @@ def _machine_description() -> dict[str, str]:
 
     The backend and its device kind, and the host CPU: on CPU, XLA compiles for
     the host's instruction set (two x86 CPU models, same code and tasks, gave
-    conv-net baselines that differ by up to 10%; docs/generalist.md). On Linux
-    the CPU is ``/proc/cpuinfo``'s model name and a digest of its feature flags,
-    elsewhere ``platform``'s processor and machine.
+    conv-net baselines that differ by up to 10%; docs/generalist.md). Where
+    ``/proc/cpuinfo`` names the model (x86 Linux), the CPU is that name and a
+    digest of its feature flags; elsewhere ``platform``'s processor and machine.
     """
     device = jax.devices()[0]
     cpu = f"{platform.processor()} {platform.machine()}"
