@@ -382,10 +382,9 @@ def test_a_second_evaluation_reads_the_tuned_baselines_from_the_cache(tmp_path, 
     # Another CPU model rounds the same runs otherwise: its own entries.
     here = baselines._machine_description()
     assert here["backend"] == "cpu" and here["cpu"]
-    monkeypatch.setattr(baselines, "_machine_description", lambda: {**here, "cpu": "another CPU"})
-    with pytest.raises(AssertionError, match="tuned again"):
+    with monkeypatch.context() as elsewhere, pytest.raises(AssertionError, match="tuned again"):
+        elsewhere.setattr(baselines, "_machine_description", lambda: {**here, "cpu": "another CPU"})
         evaluate(config, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)
-    monkeypatch.setattr(baselines, "_machine_description", lambda: here)
     entries[0].write_bytes(b"not an npz")
     with pytest.raises(AssertionError, match="tuned again"):
         evaluate(config, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)

@@ -149,19 +149,19 @@ def _machine_description() -> dict[str, str]:
     digest of its feature flags; elsewhere ``platform``'s processor and machine.
     """
     device = jax.devices()[0]
-    cpu = f"{platform.processor()} {platform.machine()}"
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as info:
-            fields = dict(
-                (name.strip(), value.strip())
-                for name, _, value in (line.partition(":") for line in info)
-                if name.strip() in ("model name", "flags")
-            )
+            for line in info:  # one block per core, all alike: the first one's fields
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
     except OSError:
-        fields = {}
+        pass
     if "model name" in fields:
         flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:12]
         cpu = f"{fields['model name']} flags {flags}"
+    else:
+        cpu = f"{platform.processor()} {platform.machine()}"
     return {"backend": device.platform, "device_kind": device.device_kind, "cpu": cpu}
 
 
