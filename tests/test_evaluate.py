@@ -381,7 +381,7 @@ def test_a_second_evaluation_reads_the_tuned_baselines_from_the_cache(tmp_path, 
         evaluate(fewer, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)
     # Another CPU model rounds the same runs otherwise: its own entries.
     here = baselines._machine_description()
-    assert here["backend"] == "cpu" and here["cpu"]
+    assert here["backend"] == jax.default_backend() and here["cpu"]
     with monkeypatch.context() as elsewhere, pytest.raises(AssertionError, match="tuned again"):
         elsewhere.setattr(baselines, "_machine_description", lambda: {**here, "cpu": "another CPU"})
         evaluate(config, initial_theta(EstimatorSections.of(config)), baseline_cache=cache)
