@@ -174,7 +174,9 @@ def learner_start(config: Config) -> LearnerStart:
         rng=learner_keys(config.seed)[1],
         outer_transforms=[
             *build_outer_optimizer(outer),
-            *outer_lr_decay(outer.lr_decay, config.train.num_steps, outer.lr_decay_to),
+            *outer_lr_decay(
+                outer.lr_decay, config.train.num_steps, outer.lr_decay_to, outer.lr_decay_start
+            ),
         ],
         clip_grad_norm=outer.clip_grad_norm,
     )

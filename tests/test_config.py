@@ -237,6 +237,7 @@ def test_bad_literal_lists_choices():
         ("outer_optimizer.learning_rate=0", "outer_optimizer.learning_rate: must be > 0"),
         ("outer_optimizer.weight_decay=-1", "outer_optimizer.weight_decay: must be >= 0"),
         ("outer_optimizer.lr_decay_to=1.5", "outer_optimizer.lr_decay_to: must be in [0, 1]"),
+        ("outer_optimizer.lr_decay_start=1", "outer_optimizer.lr_decay_start: must be in [0, 1)"),
         ("population.num_actors=0", "population.num_actors: must be > 0"),
         ("population.max_staleness=-1", "population.max_staleness: must be >= 0"),
         ("population.resources={TPU: -1}", "population.resources.TPU: must be >= 0"),

@@ -301,6 +301,8 @@ class OuterOptimizerConfig(KindSection):
         follow it. Raising ``train.num_steps`` to train a run further
         stretches the decay over the new count (the rate rises again).
       lr_decay_to: the fraction of the learning rate left at the end, in [0, 1].
+      lr_decay_start: the fraction of ``train.num_steps`` the rate holds
+        before it decays, in [0, 1): 0.5 decays it over the second half only.
     """
 
     REGISTRY: ClassVar[Registry] = OUTER_OPTIMIZERS
@@ -309,12 +311,15 @@ class OuterOptimizerConfig(KindSection):
     clip_grad_norm: float | None = 3.0
     lr_decay: Literal["constant", "cosine", "linear"] = "constant"
     lr_decay_to: float = 0.0
+    lr_decay_start: float = 0.0
     resolved: Kind | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def _own_problems(self) -> Iterator[Problem]:
         yield from positive(self, "clip_grad_norm")
         if not 0.0 <= self.lr_decay_to <= 1.0:
             yield "lr_decay_to", f"must be in [0, 1], got {self.lr_decay_to!r}"
+        if not 0.0 <= self.lr_decay_start < 1.0:
+            yield "lr_decay_start", f"must be in [0, 1), got {self.lr_decay_start!r}"
 
 
 #: The sections that name a kind, by their key in the config.

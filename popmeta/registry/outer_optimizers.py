@@ -86,20 +86,22 @@ OUTER_LR_DECAYS = ("constant", "cosine", "linear")
 
 
 def outer_lr_decay(
-    kind: str, num_steps: int, final_fraction: float = 0.0
+    kind: str, num_steps: int, final_fraction: float = 0.0, start_fraction: float = 0.0
 ) -> list[optax.GradientTransformation]:
     """The transformation that decays the outer optimizer's steps over a run, if any.
 
     Chained after the optimizer, it multiplies each step by a factor that
-    falls from 1 at the first update to ``final_fraction`` at update
-    ``num_steps`` (and stays there): for Adam and SGD, whose steps are
-    proportional to their learning rate, the same as decaying that rate. Its
-    update count is part of the optimizer state, so it survives a checkpoint.
+    holds at 1 until update ``start_fraction * num_steps`` and then falls
+    to ``final_fraction`` at update ``num_steps`` (and stays there): for
+    Adam and SGD, whose steps are proportional to their learning rate, the
+    same as decaying that rate. Its update count is part of the optimizer
+    state, so it survives a checkpoint.
 
     Args:
       kind: ``constant`` (no transformation), ``cosine`` or ``linear``.
-      num_steps: the updates over which it decays (a run's ``train.num_steps``).
+      num_steps: the update at which the decay ends (a run's ``train.num_steps``).
       final_fraction: the factor from update ``num_steps`` on, in [0, 1].
+      start_fraction: the fraction of ``num_steps`` before the decay begins, in [0, 1).
 
     Returns:
       ``[]`` for ``constant``, else the one ``optax.scale_by_schedule``.
@@ -110,12 +112,16 @@ def outer_lr_decay(
         )
     if not 0.0 <= final_fraction <= 1.0:
         raise ValueError(f"final_fraction must be in [0, 1], got {final_fraction!r}")
+    if not 0.0 <= start_fraction < 1.0:
+        raise ValueError(f"start_fraction must be in [0, 1), got {start_fraction!r}")
     if num_steps <= 0:
         raise ValueError(f"num_steps must be > 0, got {num_steps!r}")
     if kind == "constant":
         return []
+    start = int(start_fraction * num_steps)
     if kind == "cosine":
-        schedule = optax.cosine_decay_schedule(1.0, num_steps, alpha=final_fraction)
+        decay = optax.cosine_decay_schedule(1.0, num_steps - start, alpha=final_fraction)
     else:
-        schedule = optax.linear_schedule(1.0, final_fraction, num_steps)
+        decay = optax.linear_schedule(1.0, final_fraction, num_steps - start)
+    schedule = optax.join_schedules([optax.constant_schedule(1.0), decay], [start])
     return [optax.scale_by_schedule(schedule)]

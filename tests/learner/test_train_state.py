@@ -337,11 +337,28 @@ def test_an_outer_lr_decay_scales_each_adam_step_by_its_schedule(kind, factor):
     np.testing.assert_allclose(mine["w"] / theirs["w"], final, rtol=1e-6)
 
 
+def test_an_outer_lr_decay_from_a_start_fraction_holds_the_rate_until_then():
+    num_steps, final, start = 8, 0.2, 0.5
+    (decay,) = outer_lr_decay("cosine", num_steps, final, start)
+    state = decay.init({"w": jnp.zeros(1)})
+    factors = []
+    for _ in range(num_steps + 2):
+        step, state = decay.update({"w": jnp.ones(1)}, state)
+        factors.append(float(step["w"][0]))
+    # Updates 0-4 at the full rate, then a cosine over the last four to `final`.
+    expected = [1.0] * 4 + [
+        final + (1 - final) * 0.5 * (1 + np.cos(np.pi * min(k, 4) / 4)) for k in range(6)
+    ]
+    np.testing.assert_allclose(factors, expected, rtol=1e-6)
+
+
 def test_a_constant_outer_lr_adds_nothing_and_bad_decays_are_refused():
     assert outer_lr_decay("constant", 10) == []
     with pytest.raises(ValueError, match=r"one of .*'cosine'"):
         outer_lr_decay("exponential", 10)
     with pytest.raises(ValueError, match=r"final_fraction must be in \[0, 1\]"):
         outer_lr_decay("cosine", 10, 1.5)
+    with pytest.raises(ValueError, match=r"start_fraction must be in \[0, 1\)"):
+        outer_lr_decay("cosine", 10, 0.1, 1.0)
     with pytest.raises(ValueError, match="num_steps must be > 0"):
         outer_lr_decay("linear", 0)
