@@ -214,3 +214,40 @@ def test_the_averaging_probe_writes_a_checkpoint_of_the_mean_theta(tmp_path, cap
     assert capsys.readouterr().out.strip() == str(written)
     averaged_config, theta = load_theta(written)
     assert float(theta["log_lr"]) == -3.0 and averaged_config == config
+
+
+def test_the_fork_probe_lets_a_decaying_run_take_over_a_constant_rate_checkpoint(tmp_path):
+    import io
+
+    import optax
+
+    from popmeta.experiment import learner_start
+    from popmeta.learner.checkpoint_layout import load_run_checkpoint
+    from popmeta.learner.learner import Learner
+    from popmeta.run_dir import RunDirectoryError
+    from popmeta.run_loop import train
+    from tests.local_run import local_config
+
+    train(local_config(tmp_path, name="constant"), stream=io.StringIO())
+    halfway = tmp_path / "constant" / "checkpoints" / "ckpt_00000002.npz"
+    decay = {"lr_decay": "cosine", "lr_decay_to": 0.1, "lr_decay_start": 0.5}
+    forked = local_config(tmp_path, name="fork", outer_optimizer=decay)
+    with pytest.raises(RunDirectoryError, match=r"ckpt_00000002\.npz"):
+        train(forked, stream=io.StringIO(), from_checkpoint=halfway)
+
+    _script("docs/results/fork_with_lr_decay.py").main([str(halfway), str(tmp_path / "copy")])
+    out = io.StringIO()
+    train(forked, stream=out, from_checkpoint=tmp_path / "copy" / "ckpt_00000002.npz")
+    assert "at step 2" in out.getvalue() and "worker states restored" in out.getvalue()
+    template = Learner.of(learner_start(forked)).checkpoint_tree()
+    final = load_run_checkpoint(tmp_path / "fork" / "checkpoints" / "ckpt_00000004.npz", template)
+    counts = [
+        int(s.count) for s in final.learner.opt_state if isinstance(s, optax.ScaleByScheduleState)
+    ]
+    assert counts == [4]
+    constant = load_run_checkpoint(
+        tmp_path / "constant" / "checkpoints" / "ckpt_00000004.npz",
+        Learner.of(learner_start(local_config(tmp_path, name="constant"))).checkpoint_tree(),
+    )
+    # The decay shortened the last update's step, so the two runs end apart.
+    assert float(final.learner.theta["log_lr"]) != float(constant.learner.theta["log_lr"])
